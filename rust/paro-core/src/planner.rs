@@ -1,1 +1,389 @@
+//! Hierarchical collective planner (PaRO-CC / HO-Ring): turns one collective into stages of
+//! sub-collectives on the intra-group and inter-group (same-rail) sub-communicators plus local copies
+//! and reductions, chunked so that chunk c's inter phase runs while chunk c−1's intra phase runs.
+//!
+//! [Note: stage semantics] An executor runs a plan stage by stage. Inside a stage it walks the steps in
+//! order: local steps (`Copy`, `Combine`) run at once; communication steps are *issued* (asynchronously,
+//! in plan order per level, the same order on every rank); at the end of the stage it waits for all of
+//! them. The planner guarantees that no local step touches a region an issued step of the same stage
+//! writes, nor writes a region it reads, so the phases of different chunks overlap safely.
+//!
+//! Every algorithm is written for g groups of m ranks; when a level has a single rank its
+//! communication step becomes a local copy, so one code path serves 2-level, intra-only and
+//! inter-only (flat) topologies.
 
+use serde::{Deserialize, Serialize};
+
+use crate::error::{ParoError, Result};
+use crate::topology::Topology;
+
+/// Which sub-communicator a step runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Level {
+    /// The m ranks of this rank's group (fast links).
+    Intra,
+    /// The g ranks with this rank's local rank, one per group (slow links, one rail).
+    Inter,
+    /// All ranks of the process group, no hierarchy.
+    Flat,
+}
+
+/// A buffer a step reads or writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Buf {
+    /// The caller's input tensor (for in-place collectives, the same as `Output`).
+    Input,
+    /// The caller's output tensor.
+    Output,
+    /// A scratch buffer of the plan, zero-initialised, `Plan::tmp[i]` elements.
+    Tmp(u8),
+}
+
+/// A strided 3-D view of a buffer, in elements. Communication steps only use contiguous regions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Region {
+    /// The buffer.
+    pub buf: Buf,
+    /// First element.
+    pub offset: u64,
+    /// Sizes of the three dimensions.
+    pub dims: [u64; 3],
+    /// Strides of the three dimensions.
+    pub strides: [u64; 3],
+}
+
+impl Region {
+    /// A contiguous run of `numel` elements.
+    pub fn flat(buf: Buf, offset: u64, numel: u64) -> Self {
+        Region { buf, offset, dims: [1, 1, numel], strides: [numel, numel, 1] }
+    }
+
+    /// A contiguous `[a, b]` matrix (as `[a, 1, b]`).
+    pub fn rows(buf: Buf, offset: u64, a: u64, b: u64) -> Self {
+        Region { buf, offset, dims: [a, 1, b], strides: [b, b, 1] }
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> u64 {
+        self.dims.iter().product()
+    }
+
+    /// Element indices covered, in iteration order (for tests and checks).
+    pub fn indices(&self) -> Vec<u64> {
+        let mut out = Vec::with_capacity(self.numel() as usize);
+        for a in 0..self.dims[0] {
+            for b in 0..self.dims[1] {
+                for c in 0..self.dims[2] {
+                    out.push(self.offset + a * self.strides[0] + b * self.strides[1] + c * self.strides[2]);
+                }
+            }
+        }
+        out
+    }
+}
+
+/// What a step does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Kind {
+    /// `dst` = concatenation over the level's ranks of their `src` (contiguous).
+    AllGather,
+    /// Piece i of `src` goes to the level's rank i; piece j of `dst` comes from rank j (equal pieces).
+    AllToAll,
+    /// `src` = `dst`, reduced in place at the level (the call's reduce op).
+    AllReduce,
+    /// `dst` (= `src`) broadcast from the level's rank `root`.
+    Broadcast,
+    /// `dst` (= `src`) reduced onto the level's rank `root`.
+    Reduce,
+    /// Synchronise the level.
+    Barrier,
+    /// Local: `dst` = `src` (same shape, any strides).
+    Copy,
+    /// Local: `dst[b, c]` = reduce over a of `src[a, b, c]` with the call's reduce op; `dst` has dims `[1, b, c]`.
+    Combine,
+}
+
+impl Kind {
+    /// True for steps that communicate.
+    pub fn communicates(self) -> bool {
+        !matches!(self, Kind::Copy | Kind::Combine)
+    }
+}
+
+/// One step of a plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Step {
+    /// Stage the step belongs to (see [Note: stage semantics]).
+    pub stage: u32,
+    /// What to do.
+    pub kind: Kind,
+    /// Sub-communicator (ignored by local steps).
+    pub level: Level,
+    /// Source region.
+    pub src: Region,
+    /// Destination region.
+    pub dst: Region,
+    /// Root rank within the level, for `Broadcast` and `Reduce`.
+    pub root: u32,
+    /// Bytes this rank sends in this step (ring/pairwise algorithms; see each collective's doc).
+    pub bytes: u64,
+}
+
+/// The collectives the planner knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Collective {
+    /// Each rank contributes `numel`, everyone gets `world · numel` in rank order.
+    AllGather,
+    /// Each rank contributes `world · numel`, rank i gets the reduction of block i (`numel`).
+    ReduceScatter,
+    /// `numel` elements reduced in place on every rank.
+    AllReduce,
+    /// `numel` elements from `root` to every rank.
+    Broadcast,
+    /// `numel` elements reduced onto `root`.
+    Reduce,
+    /// No data.
+    Barrier,
+}
+
+/// How messages are cut into chunks to pipeline the levels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChunkPolicy {
+    /// Target chunk size in bytes; a message gets ceil(bytes / chunk_bytes) chunks.
+    pub chunk_bytes: u64,
+    /// Upper bound on the chunk count (1 = phases run one after the other).
+    pub max_chunks: u32,
+}
+
+impl Default for ChunkPolicy {
+    fn default() -> Self {
+        ChunkPolicy { chunk_bytes: 1 << 20, max_chunks: 8 }
+    }
+}
+
+/// What to plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Request {
+    /// The collective.
+    pub collective: Collective,
+    /// The process group as groups; `None` runs flat (one level over all ranks).
+    pub topology: Option<Topology>,
+    /// Number of ranks in the process group (must equal `topology.world` when given).
+    pub world: usize,
+    /// This rank within the process group.
+    pub rank: usize,
+    /// Elements per rank block (all-gather, reduce-scatter) or of the whole tensor (the others).
+    pub numel: u64,
+    /// Bytes per element.
+    pub elem_size: u64,
+    /// Root rank (broadcast, reduce).
+    pub root: usize,
+    /// Chunking.
+    pub chunks: ChunkPolicy,
+}
+
+/// The steps one rank runs for one collective.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Plan {
+    /// Sizes in elements of the scratch buffers `Buf::Tmp(i)`.
+    pub tmp: Vec<u64>,
+    /// Steps, grouped by increasing stage.
+    pub steps: Vec<Step>,
+}
+
+impl Plan {
+    /// Number of stages.
+    pub fn stages(&self) -> u32 {
+        self.steps.iter().map(|s| s.stage + 1).max().unwrap_or(0)
+    }
+
+    /// Bytes this rank sends at a level.
+    pub fn bytes_at(&self, level: Level) -> u64 {
+        self.steps.iter().filter(|s| s.kind.communicates() && s.level == level).map(|s| s.bytes).sum()
+    }
+}
+
+/// Splits `numel` elements into chunks: `(offset, len)`, all non-empty.
+fn split_chunks(numel: u64, elem_size: u64, policy: ChunkPolicy) -> Vec<(u64, u64)> {
+    if numel == 0 {
+        return Vec::new();
+    }
+    let bytes = numel.saturating_mul(elem_size.max(1));
+    let wanted = bytes.div_ceil(policy.chunk_bytes.max(1));
+    let count = wanted.clamp(1, u64::from(policy.max_chunks.max(1))).min(numel);
+    let base = numel / count;
+    let extra = numel % count;
+    let mut out = Vec::with_capacity(count as usize);
+    let mut off = 0;
+    for i in 0..count {
+        let len = base + u64::from(i < extra);
+        out.push((off, len));
+        off += len;
+    }
+    out
+}
+
+/// Accumulates steps.
+struct Builder {
+    steps: Vec<Step>,
+    elem: u64,
+}
+
+impl Builder {
+    fn local(&mut self, stage: u32, kind: Kind, src: Region, dst: Region) {
+        self.steps.push(Step { stage, kind, level: Level::Flat, src, dst, root: 0, bytes: 0 });
+    }
+
+    /// An all-gather among `size` ranks at `level`, or a copy when the level has one rank.
+    fn all_gather(&mut self, stage: u32, level: Level, size: u64, src: Region, dst: Region) {
+        if size == 1 {
+            return self.local(stage, Kind::Copy, src, dst);
+        }
+        let bytes = (size - 1) * src.numel() * self.elem;
+        self.steps.push(Step { stage, kind: Kind::AllGather, level, src, dst, root: 0, bytes });
+    }
+
+    /// An all-to-all among `size` ranks at `level`, or a copy when the level has one rank.
+    fn all_to_all(&mut self, stage: u32, level: Level, size: u64, src: Region, dst: Region) {
+        if size == 1 {
+            return self.local(stage, Kind::Copy, src, dst);
+        }
+        let bytes = (size - 1) * (src.numel() / size) * self.elem;
+        self.steps.push(Step { stage, kind: Kind::AllToAll, level, src, dst, root: 0, bytes });
+    }
+
+    /// A rooted step (broadcast or reduce); nominal bytes: the root sends the buffer to each other rank
+    /// (broadcast), each other rank sends it once (reduce).
+    fn rooted(&mut self, stage: u32, kind: Kind, level: Level, size: u64, me: u64, root: u64, region: Region) {
+        if size == 1 {
+            return;
+        }
+        let n = region.numel() * self.elem;
+        let bytes = match (kind, me == root) {
+            (Kind::Broadcast, true) => (size - 1) * n,
+            (Kind::Reduce, false) => n,
+            _ => 0,
+        };
+        self.steps.push(Step { stage, kind, level, src: region, dst: region, root: root as u32, bytes });
+    }
+}
+
+/// Plans one collective for one rank.
+///
+/// Bytes per rank, with S the total bytes of the gathered buffer (all-gather, reduce-scatter) or of the
+/// tensor padded to a multiple of n (all-reduce), g groups of m ranks:
+/// all-gather and reduce-scatter send (g−1)/g·S/m inter and (m−1)/m·S intra;
+/// all-reduce sends 2(g−1)/g·S/m inter and 2(m−1)/m·S intra.
+pub fn plan(req: &Request) -> Result<Plan> {
+    let topo = match req.topology {
+        Some(t) => {
+            if t.world != req.world {
+                return Err(ParoError::Invalid(format!(
+                    "topology has {} ranks but the process group has {}",
+                    t.world, req.world
+                )));
+            }
+            t
+        }
+        None => Topology::new(req.world, req.world)?,
+    };
+    topo.check_rank(req.rank)?;
+    if req.root >= req.world {
+        return Err(ParoError::Invalid(format!("root rank {} is out of range for {} ranks", req.root, req.world)));
+    }
+    let flat = req.topology.is_none();
+    let (intra, inter) = if flat { (Level::Flat, Level::Flat) } else { (Level::Intra, Level::Inter) };
+    let g = topo.num_groups() as u64;
+    let m = topo.group_size as u64;
+    let k = topo.group_of(req.rank) as u64;
+    let r = topo.local_rank(req.rank) as u64;
+    let n = g * m;
+    let e = req.elem_size;
+    let big_n = req.numel;
+    // One level only (flat, intra-only or inter-only): no overlap to gain from chunking.
+    let policy = if g == 1 || m == 1 { ChunkPolicy { max_chunks: 1, ..req.chunks } } else { req.chunks };
+    let mut b = Builder { steps: Vec::new(), elem: e };
+    let t = |i: u8| Buf::Tmp(i);
+    let tmp: Vec<u64> = match req.collective {
+        Collective::Barrier => {
+            let none = Region::flat(Buf::Input, 0, 0);
+            b.steps.push(Step { stage: 0, kind: Kind::Barrier, level: Level::Flat, src: none, dst: none, root: 0, bytes: 0 });
+            vec![]
+        }
+        Collective::AllGather => {
+            // Inter all-gather among the rail (blocks (k', r) for all k'), then intra all-gather of those
+            // g blocks, then a local transpose into rank order k'·m + r'.
+            for (c, (off, len)) in split_chunks(big_n, e, policy).into_iter().enumerate() {
+                let stage = c as u32;
+                b.all_gather(stage, inter, g, Region::flat(Buf::Input, off, len), Region::flat(t(0), g * off, g * len));
+                b.all_gather(stage + 1, intra, m, Region::flat(t(0), g * off, g * len), Region::flat(t(1), n * off, n * len));
+                let src = Region { buf: t(1), offset: n * off, dims: [g, m, len], strides: [len, g * len, 1] };
+                let dst = Region { buf: Buf::Output, offset: off, dims: [g, m, len], strides: [m * big_n, big_n, 1] };
+                b.local(stage + 2, Kind::Copy, src, dst);
+            }
+            vec![g * big_n, n * big_n]
+        }
+        Collective::ReduceScatter => {
+            // Permute so that intra peer r' receives blocks (k', r') for all k'; intra all-to-all + local
+            // reduction; inter all-to-all of the g partial blocks + local reduction.
+            for (c, (off, len)) in split_chunks(big_n, e, policy).into_iter().enumerate() {
+                let stage = c as u32;
+                let src = Region { buf: Buf::Input, offset: off, dims: [m, g, len], strides: [big_n, m * big_n, 1] };
+                let packed = Region { buf: t(0), offset: n * off, dims: [m, g, len], strides: [g * len, len, 1] };
+                b.local(stage, Kind::Copy, src, packed);
+                b.all_to_all(stage, intra, m, Region::flat(t(0), n * off, n * len), Region::flat(t(1), n * off, n * len));
+                b.local(stage + 1, Kind::Combine, Region::rows(t(1), n * off, m, g * len), Region::flat(t(2), g * off, g * len));
+                b.all_to_all(stage + 1, inter, g, Region::flat(t(2), g * off, g * len), Region::flat(t(3), g * off, g * len));
+                b.local(stage + 2, Kind::Combine, Region::rows(t(3), g * off, g, len), Region::flat(Buf::Output, off, len));
+            }
+            vec![n * big_n, n * big_n, g * big_n, g * big_n]
+        }
+        Collective::AllReduce => {
+            // Each chunk padded to a multiple of n: intra reduce-scatter (all-to-all + combine), inter
+            // reduce-scatter, inter all-gather, intra all-gather. Inter traffic: 1/m of the chunk.
+            let mut poff = 0;
+            for (c, (off, len)) in split_chunks(big_n, e, policy).into_iter().enumerate() {
+                let stage = c as u32;
+                let plen = len.div_ceil(n) * n;
+                let q = plen / m;
+                let s = plen / n;
+                let (qoff, soff) = (poff / m, poff / n);
+                b.local(stage, Kind::Copy, Region::flat(Buf::Input, off, len), Region::flat(t(0), poff, len));
+                b.all_to_all(stage, intra, m, Region::flat(t(0), poff, plen), Region::flat(t(1), poff, plen));
+                b.local(stage + 1, Kind::Combine, Region::rows(t(1), poff, m, q), Region::flat(t(2), qoff, q));
+                b.all_to_all(stage + 1, inter, g, Region::flat(t(2), qoff, q), Region::flat(t(3), qoff, q));
+                b.local(stage + 2, Kind::Combine, Region::rows(t(3), qoff, g, s), Region::flat(t(4), soff, s));
+                b.all_gather(stage + 2, inter, g, Region::flat(t(4), soff, s), Region::flat(t(2), qoff, q));
+                b.all_gather(stage + 3, intra, m, Region::flat(t(2), qoff, q), Region::flat(t(1), poff, plen));
+                b.local(stage + 4, Kind::Copy, Region::flat(t(1), poff, len), Region::flat(Buf::Output, off, len));
+                poff += plen;
+            }
+            vec![poff, poff, poff / m, poff / m, poff / n]
+        }
+        Collective::Broadcast | Collective::Reduce => {
+            let (kr, rr) = (topo.group_of(req.root) as u64, topo.local_rank(req.root) as u64);
+            let kind = if req.collective == Collective::Broadcast { Kind::Broadcast } else { Kind::Reduce };
+            for (c, (off, len)) in split_chunks(big_n, e, policy).into_iter().enumerate() {
+                let region = Region::flat(Buf::Output, off, len);
+                let stage = c as u32;
+                if kind == Kind::Broadcast {
+                    // root's rail first, then inside every group from the rail member
+                    if r == rr {
+                        b.rooted(stage, kind, inter, g, k, kr, region);
+                    }
+                    b.rooted(stage + 1, kind, intra, m, r, rr, region);
+                } else {
+                    // inside every group onto the root's local rank, then along the root's rail
+                    b.rooted(stage, kind, intra, m, r, rr, region);
+                    if r == rr {
+                        b.rooted(stage + 1, kind, inter, g, k, kr, region);
+                    }
+                }
+            }
+            vec![]
+        }
+    };
+    let mut steps = b.steps;
+    steps.sort_by_key(|s| s.stage); // stable: keeps plan order inside a stage
+    Ok(Plan { tmp, steps })
+}
