@@ -1,1 +1,227 @@
+//! `paro_torch._C`: thin pyo3 bindings of paro-core plus the hand-off to the C++ c10d backend.
 
+mod bridge;
+
+use paro_core::planner::{self, ChunkPolicy, Collective};
+use paro_core::strategy::{Granularity, Strategy as CoreStrategy};
+use paro_core::{layout, topology, ParoError, Topology};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+
+pyo3::create_exception!(paro_torch, InvalidStrategyError, PyValueError, "A strategy code or alias that PaRO rejects.");
+pyo3::create_exception!(paro_torch, TopologyError, PyValueError, "World size, group size or rank that do not fit.");
+
+fn to_py(e: ParoError) -> PyErr {
+    match e {
+        ParoError::UnknownStrategy(..) | ParoError::EliminatedStrategy { .. } => InvalidStrategyError::new_err(e.to_string()),
+        ParoError::Topology(_) => TopologyError::new_err(e.to_string()),
+        _ => PyValueError::new_err(e.to_string()),
+    }
+}
+
+fn gran(text: &str) -> PyResult<Granularity> {
+    let mut chars = text.chars();
+    match (chars.next().and_then(Granularity::from_letter), chars.next()) {
+        (Some(g), None) => Ok(g),
+        _ => Err(PyValueError::new_err(format!("granularity must be one of N, I, G (got {text:?})"))),
+    }
+}
+
+/// A PaRO-DP strategy: sharding granularity of parameters (p), gradients (g) and optimizer states (os).
+#[pyclass(module = "paro_torch._C", name = "Strategy", frozen, eq, hash)]
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct PyStrategy(CoreStrategy);
+
+#[pymethods]
+impl PyStrategy {
+    /// Parses a code ("IIG", "PaRO-IIG") or an alias ("zero3", "hsdp"); raises InvalidStrategyError.
+    #[new]
+    fn new(code: &str) -> PyResult<Self> {
+        CoreStrategy::parse(code).map(PyStrategy).map_err(to_py)
+    }
+
+    /// Same as the constructor.
+    #[staticmethod]
+    fn parse(code: &str) -> PyResult<Self> {
+        Self::new(code)
+    }
+
+    /// The 14 valid strategies.
+    #[staticmethod]
+    fn all() -> Vec<Self> {
+        CoreStrategy::all_valid().into_iter().map(PyStrategy).collect()
+    }
+
+    /// Parameter granularity: "N", "I" or "G".
+    #[getter]
+    fn p(&self) -> String {
+        self.0.p.letter().to_string()
+    }
+
+    /// Gradient granularity.
+    #[getter]
+    fn g(&self) -> String {
+        self.0.g.letter().to_string()
+    }
+
+    /// Optimizer-state granularity.
+    #[getter]
+    fn os(&self) -> String {
+        self.0.os.letter().to_string()
+    }
+
+    /// The three-letter code.
+    #[getter]
+    fn code(&self) -> String {
+        self.0.code()
+    }
+
+    /// The well-known name (ddp, zero1, zero2, zero3, mics, hsdp_zero2), if any.
+    #[getter]
+    fn known_as(&self) -> Option<&'static str> {
+        self.0.known_as()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Strategy('{}')", self.0.code())
+    }
+
+    fn __str__(&self) -> String {
+        self.0.code()
+    }
+}
+
+/// Raises TopologyError unless `group_size` divides `world`.
+#[pyfunction]
+fn check_topology(world: usize, group_size: usize) -> PyResult<()> {
+    Topology::new(world, group_size).map(|_| ()).map_err(to_py)
+}
+
+/// `(world, group_size)` of a process group from its members' global ranks, or None and the reason it runs flat.
+#[pyfunction]
+fn subgroup_shape(global_ranks: Vec<usize>, group_size: usize) -> PyResult<(Option<(usize, usize)>, Option<String>)> {
+    let s = topology::subgroup_shape(&global_ranks, group_size).map_err(to_py)?;
+    Ok((s.topology.map(|t| (t.world, t.group_size)), s.flat_reason))
+}
+
+/// `numel` rounded up to a multiple of `world`.
+#[pyfunction]
+fn padded_numel(numel: u64, world: usize) -> u64 {
+    layout::padded_numel(numel, world)
+}
+
+/// `(start, end)` of the padded flat buffer that `rank` holds at granularity "N", "I" or "G".
+#[pyfunction]
+fn shard_range(numel: u64, world: usize, group_size: usize, granularity: &str, rank: usize) -> PyResult<(u64, u64)> {
+    let t = Topology::new(world, group_size).map_err(to_py)?;
+    t.check_rank(rank).map_err(to_py)?;
+    let r = layout::ShardLayout::new(numel, t).shard_range(gran(granularity)?, rank);
+    Ok((r.start, r.end))
+}
+
+/// The plan one rank runs for a collective, as JSON (for inspection and tests).
+#[pyfunction]
+#[pyo3(signature = (collective, world, group_size, rank, numel, elem_size=4, root=0, chunk_bytes=1<<20, max_chunks=8))]
+#[allow(clippy::too_many_arguments)]
+fn describe_plan(
+    collective: &str,
+    world: usize,
+    group_size: usize,
+    rank: usize,
+    numel: u64,
+    elem_size: u64,
+    root: usize,
+    chunk_bytes: u64,
+    max_chunks: u32,
+) -> PyResult<String> {
+    let c = match collective {
+        "all_gather" => Collective::AllGather,
+        "reduce_scatter" => Collective::ReduceScatter,
+        "all_reduce" => Collective::AllReduce,
+        "broadcast" => Collective::Broadcast,
+        "reduce" => Collective::Reduce,
+        "barrier" => Collective::Barrier,
+        other => return Err(PyValueError::new_err(format!("unknown collective {other:?}"))),
+    };
+    let topology = if group_size == 0 { None } else { Some(Topology::new(world, group_size).map_err(to_py)?) };
+    let req = planner::Request {
+        collective: c,
+        topology,
+        world,
+        rank,
+        numel,
+        elem_size,
+        root,
+        chunks: ChunkPolicy { chunk_bytes, max_chunks },
+    };
+    let plan = planner::plan(&req).map_err(to_py)?;
+    serde_json::to_string(&plan).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+// ESTIMATE_PLACEHOLDER
+
+/// Builds the C++ `paro` Backend over Gloo/NCCL sub-backends (intra and inter may be None).
+#[pyfunction]
+#[pyo3(signature = (world, group_size, rank, chunk_bytes, max_chunks, intra, inter, flat))]
+#[allow(clippy::too_many_arguments)]
+fn create_backend<'py>(
+    py: Python<'py>,
+    world: i32,
+    group_size: i32,
+    rank: i32,
+    chunk_bytes: u64,
+    max_chunks: u32,
+    intra: Option<Bound<'py, PyAny>>,
+    inter: Option<Bound<'py, PyAny>>,
+    flat: Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let shape = bridge::ffi::Shape { world, group_size, rank, chunk_bytes, max_chunks };
+    bridge::topology_of(&shape).map_err(to_py)?;
+    let ptr = |o: &Option<Bound<'py, PyAny>>| o.as_ref().map_or(0, |b| b.as_ptr() as usize);
+    // SAFETY: the pointers are live Python objects held by this frame; the GIL is held.
+    let obj = unsafe { bridge::ffi::create_backend(&shape, ptr(&intra), ptr(&inter), flat.as_ptr() as usize) }
+        .map_err(|e| PyRuntimeError::new_err(e.what().to_string()))?;
+    // SAFETY: create_backend returns a new reference.
+    Ok(unsafe { Bound::from_owned_ptr(py, obj as *mut pyo3::ffi::PyObject) })
+}
+
+/// Counters of a paro Backend object: bytes and operations per level since the last reset.
+#[pyfunction]
+fn backend_stats(backend: Bound<'_, PyAny>) -> PyResult<[[u64; 2]; 3]> {
+    // SAFETY: `backend` is a live Python object; the GIL is held.
+    let v = unsafe { bridge::ffi::backend_stats(backend.as_ptr() as usize) }
+        .map_err(|e| PyValueError::new_err(e.what().to_string()))?;
+    if v.len() != 6 {
+        return Err(PyRuntimeError::new_err("paro: unexpected counter layout"));
+    }
+    Ok([[v[0], v[3]], [v[1], v[4]], [v[2], v[5]]])
+}
+
+/// Zeroes the counters of a paro Backend object.
+#[pyfunction]
+fn reset_backend_stats(backend: Bound<'_, PyAny>) -> PyResult<()> {
+    // SAFETY: as above.
+    unsafe { bridge::ffi::reset_backend_stats(backend.as_ptr() as usize) }
+        .map_err(|e| PyValueError::new_err(e.what().to_string()))
+}
+
+#[pymodule]
+fn _C(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<PyStrategy>()?;
+    m.add("InvalidStrategyError", py.get_type::<InvalidStrategyError>())?;
+    m.add("TopologyError", py.get_type::<TopologyError>())?;
+    let codes: Vec<String> = CoreStrategy::all_valid().iter().map(CoreStrategy::code).collect();
+    m.add("STRATEGIES", codes)?;
+    let aliases: Vec<(&str, &str)> = paro_core::strategy::ALIASES.to_vec();
+    m.add("ALIASES", aliases)?;
+    m.add_function(wrap_pyfunction!(check_topology, m)?)?;
+    m.add_function(wrap_pyfunction!(subgroup_shape, m)?)?;
+    m.add_function(wrap_pyfunction!(padded_numel, m)?)?;
+    m.add_function(wrap_pyfunction!(shard_range, m)?)?;
+    m.add_function(wrap_pyfunction!(describe_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(create_backend, m)?)?;
+    m.add_function(wrap_pyfunction!(backend_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(reset_backend_stats, m)?)?;
+    Ok(())
+}

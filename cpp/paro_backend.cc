@@ -1,0 +1,506 @@
+// ParoBackend: executes Rust plans (see [Note: stage semantics] in rust/paro-core/src/planner.rs).
+#include "cpp/paro_backend.h"
+
+#include <ATen/ATen.h>
+
+namespace paro {
+namespace {
+
+int level_index(Level l) {
+  switch (l) {
+    case Level::Intra: return 0;
+    case Level::Inter: return 1;
+    default: return 2;
+  }
+}
+
+void check_tensor(const at::Tensor& t, const char* op) {
+  TORCH_CHECK(t.defined(), "paro: ", op, " got an undefined tensor");
+  TORCH_CHECK(t.device().is_cpu(), "paro: ", op, " got a tensor on ", t.device(),
+              "; this build of the paro backend runs its sub-collectives on Gloo and takes CPU tensors only. "
+              "Move the tensor to the CPU or use init_process_group(\"cpu:paro,cuda:nccl\").");
+  TORCH_CHECK(t.layout() == at::kStrided, "paro: ", op, " takes dense tensors (got ", t.layout(), ")");
+  TORCH_CHECK(t.is_contiguous(), "paro: ", op, " takes contiguous tensors; call .contiguous() first");
+}
+
+void check_same(const at::Tensor& a, const at::Tensor& b, const char* op) {
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), "paro: ", op, " got tensors of different dtypes (",
+              a.scalar_type(), " and ", b.scalar_type(), ")");
+}
+
+c10d::ReduceOp plain_sum_if_scaled(const c10d::ReduceOp& op) {
+  if (op.op_ == c10d::ReduceOp::AVG || op.op_ == c10d::ReduceOp::PREMUL_SUM) {
+    return c10d::ReduceOp(c10d::ReduceOp::SUM);
+  }
+  return op;
+}
+
+void check_reduce_op(const c10d::ReduceOp& op, const at::Tensor& t) {
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM:
+    case c10d::ReduceOp::PRODUCT:
+    case c10d::ReduceOp::MIN:
+    case c10d::ReduceOp::MAX:
+      return;
+    case c10d::ReduceOp::AVG:
+    case c10d::ReduceOp::PREMUL_SUM:
+      TORCH_CHECK(at::isFloatingType(t.scalar_type()), "paro: ReduceOp.", (op.op_ == c10d::ReduceOp::AVG ? "AVG" : "PREMUL_SUM"),
+                  " needs a floating-point tensor (got ", t.scalar_type(), "); use SUM and divide yourself");
+      return;
+    default:
+      TORCH_CHECK(false, "paro: reduce op ", static_cast<int>(op.op_),
+                  " is not supported; use SUM, AVG, PRODUCT, MIN, MAX or PREMUL_SUM");
+  }
+}
+
+// dst[0, b, c] = reduce over a of src[a, b, c]
+void combine(const at::Tensor& src, at::Tensor dst, c10d::ReduceOp::RedOpType op) {
+  switch (op) {
+    case c10d::ReduceOp::MIN: dst.copy_(at::amin(src, {0}, true)); break;
+    case c10d::ReduceOp::MAX: dst.copy_(at::amax(src, {0}, true)); break;
+    case c10d::ReduceOp::PRODUCT: dst.copy_(src.prod(0, true)); break;
+    default: dst.copy_(src.sum(0, true)); break;
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------- Work
+ParoBackend::ParoWork::ParoWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
+    : c10d::Work(rank, type),
+      outputs_(std::move(outputs)),
+      future_(c10::make_intrusive<at::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+
+bool ParoBackend::ParoWork::isCompleted() { return future_->completed(); }
+
+bool ParoBackend::ParoWork::isSuccess() const { return future_->completed() && !future_->hasError(); }
+
+bool ParoBackend::ParoWork::wait(std::chrono::milliseconds timeout) {
+  return c10d::Work::wait(timeout);
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> ParoBackend::ParoWork::getFuture() { return future_; }
+
+void ParoBackend::ParoWork::complete(std::exception_ptr error) {
+  finish(error);
+  if (error) {
+    future_->setError(error);
+  } else {
+    future_->markCompleted(c10::IValue(outputs_));
+  }
+}
+
+// ------------------------------------------------------------------------------------- Backend
+ParoBackend::ParoBackend(const Shape& shape, c10::intrusive_ptr<c10d::Backend> intra,
+                         c10::intrusive_ptr<c10d::Backend> inter, c10::intrusive_ptr<c10d::Backend> flat)
+    : c10d::Backend(shape.rank, shape.world),
+      shape_(shape),
+      intra_(std::move(intra)),
+      inter_(std::move(inter)),
+      flat_(std::move(flat)) {
+  TORCH_CHECK(flat_, "paro: a flat sub-backend is required");
+  worker_ = std::thread([this] { worker_loop(); });
+}
+
+ParoBackend::~ParoBackend() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+}
+
+void ParoBackend::worker_loop() {
+  for (;;) {
+    std::function<void()> task;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+      if (stop_ && queue_.empty()) return;
+      task = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    task();
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> ParoBackend::enqueue(c10d::OpType type, std::vector<at::Tensor> outputs,
+                                                    std::function<void()> fn) {
+  auto work = c10::make_intrusive<ParoWork>(getRank(), type, std::move(outputs));
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.emplace_back([work, fn = std::move(fn)] {
+      try {
+        fn();
+        work->complete(nullptr);
+      } catch (...) {
+        work->complete(std::current_exception());
+      }
+    });
+  }
+  cv_.notify_one();
+  return work;
+}
+
+c10d::Backend& ParoBackend::level(Level l) const {
+  switch (l) {
+    case Level::Intra:
+      TORCH_CHECK(intra_, "paro: plan uses the intra-group sub-backend, which this group does not have");
+      return *intra_;
+    case Level::Inter:
+      TORCH_CHECK(inter_, "paro: plan uses the inter-group sub-backend, which this group does not have");
+      return *inter_;
+    default:
+      return *flat_;
+  }
+}
+
+void ParoBackend::run(CollectiveOp op, const at::Tensor& input, const at::Tensor& output, int64_t numel, int64_t root,
+                      const c10d::ReduceOp& reduce_op) {
+  at::Tensor in = input.view({-1});
+  at::Tensor out = output.view({-1});
+  if (reduce_op.op_ == c10d::ReduceOp::PREMUL_SUM) {
+    auto* sup = dynamic_cast<c10d::PreMulSumSupplement*>(reduce_op.supplement_.get());
+    TORCH_CHECK(sup, "paro: PREMUL_SUM without a factor");
+    bool in_place = in.data_ptr() == out.data_ptr();
+    if (sup->tensor_factor.defined()) {
+      in = in_place ? out.mul_(sup->tensor_factor) : in.mul(sup->tensor_factor);
+    } else {
+      in = in_place ? out.mul_(sup->double_factor) : in.mul(sup->double_factor);
+    }
+  }
+  const c10d::ReduceOp sub_op = plain_sum_if_scaled(reduce_op);
+  PlanOut plan = make_plan(op, shape_, static_cast<uint64_t>(numel), static_cast<uint64_t>(in.element_size()),
+                           static_cast<int32_t>(root));
+  std::vector<at::Tensor> tmp;
+  tmp.reserve(plan.tmp.size());
+  for (int64_t n : plan.tmp) tmp.push_back(at::zeros({n}, in.options()));
+  auto view = [&](const Region& r) {
+    const at::Tensor& base = r.buf == 0 ? in : (r.buf == 1 ? out : tmp.at(r.buf - 2));
+    return base.as_strided({r.d0, r.d1, r.d2}, {r.s0, r.s1, r.s2}, base.storage_offset() + r.offset);
+  };
+  size_t i = 0;
+  const auto& steps = plan.steps;
+  while (i < steps.size()) {
+    const uint32_t stage = steps[i].stage;
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    std::vector<at::Tensor> keep;  // sub-collective buffers stay alive until the stage ends
+    for (; i < steps.size() && steps[i].stage == stage; ++i) {
+      const Step& s = steps[i];
+      if (s.kind == Kind::Copy) {
+        view(s.dst).copy_(view(s.src));
+        continue;
+      }
+      if (s.kind == Kind::Combine) {
+        combine(view(s.src), view(s.dst), sub_op.op_);
+        continue;
+      }
+      at::Tensor src = view(s.src).view({-1});
+      at::Tensor dst = view(s.dst).view({-1});
+      keep.push_back(src);
+      keep.push_back(dst);
+      c10d::Backend& b = level(s.level);
+      const int li = level_index(s.level);
+      bytes_[li] += s.bytes;
+      ops_[li] += 1;
+      switch (s.kind) {
+        case Kind::AllGather:
+          works.push_back(b.all_gather_single(dst, src, c10d::AllgatherOptions()));
+          break;
+        case Kind::AllToAll: {
+          std::vector<int64_t> even;
+          works.push_back(b.all_to_all_single(dst, src, even, even, c10d::AllToAllOptions()));
+          break;
+        }
+        case Kind::AllReduce: {
+          std::vector<at::Tensor> v{dst};
+          c10d::AllreduceOptions o;
+          o.reduceOp = sub_op;
+          works.push_back(b.allreduce(v, o));
+          break;
+        }
+        case Kind::Broadcast: {
+          std::vector<at::Tensor> v{dst};
+          c10d::BroadcastOptions o;
+          o.rootRank = s.root;
+          works.push_back(b.broadcast(v, o));
+          break;
+        }
+        case Kind::Reduce: {
+          std::vector<at::Tensor> v{dst};
+          c10d::ReduceOptions o;
+          o.rootRank = s.root;
+          o.reduceOp = sub_op;
+          works.push_back(b.reduce(v, o));
+          break;
+        }
+        case Kind::Barrier:
+          works.push_back(b.barrier(c10d::BarrierOptions()));
+          break;
+        default:
+          TORCH_CHECK(false, "paro: unknown plan step");
+      }
+    }
+    for (auto& w : works) w->wait();
+  }
+  if (reduce_op.op_ == c10d::ReduceOp::AVG && (op != CollectiveOp::Reduce || getRank() == root)) {
+    out.div_(getSize());
+  }
+}
+
+// ---------------------------------------------------------------------------------- collectives
+c10::intrusive_ptr<c10d::Work> ParoBackend::broadcast(std::vector<at::Tensor>& tensors,
+                                                      const c10d::BroadcastOptions& opts) {
+  TORCH_CHECK(tensors.size() == 1, "paro: broadcast takes one tensor per rank (got ", tensors.size(), ")");
+  check_tensor(tensors[0], "broadcast");
+  TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < getSize(), "paro: broadcast root ", opts.rootRank,
+              " is out of range for ", getSize(), " ranks");
+  at::Tensor t = tensors[0];
+  int64_t root = opts.rootRank;
+  return enqueue(c10d::OpType::BROADCAST, tensors, [this, t, root] {
+    run(CollectiveOp::Broadcast, t, t, t.numel(), root, c10d::ReduceOp(c10d::ReduceOp::SUM));
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ParoBackend::allreduce(std::vector<at::Tensor>& tensors,
+                                                      const c10d::AllreduceOptions& opts) {
+  TORCH_CHECK(tensors.size() == 1, "paro: allreduce takes one tensor per rank (got ", tensors.size(), ")");
+  check_tensor(tensors[0], "allreduce");
+  check_reduce_op(opts.reduceOp, tensors[0]);
+  at::Tensor t = tensors[0];
+  c10d::ReduceOp op = opts.reduceOp;
+  return enqueue(c10d::OpType::ALLREDUCE, tensors,
+                 [this, t, op] { run(CollectiveOp::AllReduce, t, t, t.numel(), 0, op); });
+}
+
+c10::intrusive_ptr<c10d::Work> ParoBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                                const c10d::AllreduceCoalescedOptions& opts) {
+  for (const auto& t : tensors) {
+    check_tensor(t, "allreduce_coalesced");
+    check_reduce_op(opts.reduceOp, t);
+  }
+  std::vector<at::Tensor> ts = tensors;
+  c10d::ReduceOp op = opts.reduceOp;
+  return enqueue(c10d::OpType::ALLREDUCE_COALESCED, tensors, [this, ts, op] {
+    for (const auto& t : ts) run(CollectiveOp::AllReduce, t, t, t.numel(), 0, op);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ParoBackend::reduce(std::vector<at::Tensor>& tensors,
+                                                   const c10d::ReduceOptions& opts) {
+  TORCH_CHECK(tensors.size() == 1, "paro: reduce takes one tensor per rank (got ", tensors.size(), ")");
+  check_tensor(tensors[0], "reduce");
+  check_reduce_op(opts.reduceOp, tensors[0]);
+  TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < getSize(), "paro: reduce root ", opts.rootRank,
+              " is out of range for ", getSize(), " ranks");
+  at::Tensor t = tensors[0];
+  int64_t root = opts.rootRank;
+  c10d::ReduceOp op = opts.reduceOp;
+  return enqueue(c10d::OpType::REDUCE, tensors,
+                 [this, t, root, op] { run(CollectiveOp::Reduce, t, t, t.numel(), root, op); });
+}
+
+c10::intrusive_ptr<c10d::Work> ParoBackend::all_gather_single(at::Tensor& output, at::Tensor& input,
+                                                              const c10d::AllgatherOptions& /*opts*/) {
+  check_tensor(input, "all_gather_into_tensor");
+  check_tensor(output, "all_gather_into_tensor");
+  check_same(input, output, "all_gather_into_tensor");
+  TORCH_CHECK(output.numel() == input.numel() * getSize(), "paro: all_gather_into_tensor needs an output of ",
+              getSize(), " x ", input.numel(), " elements (got ", output.numel(), ")");
+  at::Tensor in = input, out = output;
+  return enqueue(c10d::OpType::_ALLGATHER_BASE, {output}, [this, in, out] {
+    run(CollectiveOp::AllGather, in, out, in.numel(), 0, c10d::ReduceOp(c10d::ReduceOp::SUM));
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ParoBackend::all_gather_single_coalesced(std::vector<at::Tensor>& outputs,
+                                                                        std::vector<at::Tensor>& inputs,
+                                                                        const c10d::AllgatherOptions& /*opts*/) {
+  TORCH_CHECK(outputs.size() == inputs.size(), "paro: coalesced all-gather needs as many outputs as inputs");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check_tensor(inputs[i], "all_gather_into_tensor_coalesced");
+    check_tensor(outputs[i], "all_gather_into_tensor_coalesced");
+    check_same(inputs[i], outputs[i], "all_gather_into_tensor_coalesced");
+    TORCH_CHECK(outputs[i].numel() == inputs[i].numel() * getSize(),
+                "paro: all_gather_into_tensor_coalesced output ", i, " has the wrong size");
+  }
+  std::vector<at::Tensor> ins = inputs, outs = outputs;
+  return enqueue(c10d::OpType::COALESCED, outputs, [this, ins, outs] {
+    for (size_t i = 0; i < ins.size(); ++i) {
+      run(CollectiveOp::AllGather, ins[i], outs[i], ins[i].numel(), 0, c10d::ReduceOp(c10d::ReduceOp::SUM));
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ParoBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                      std::vector<at::Tensor>& inputs,
+                                                      const c10d::AllgatherOptions& opts) {
+  std::vector<std::vector<at::Tensor>> o = outputs;
+  return allgather_coalesced(o, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ParoBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                                std::vector<at::Tensor>& inputs,
+                                                                const c10d::AllgatherOptions& /*opts*/) {
+  TORCH_CHECK(outputs.size() == inputs.size(), "paro: allgather needs one output list per input tensor");
+  std::vector<at::Tensor> flat_outputs;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check_tensor(inputs[i], "all_gather");
+    TORCH_CHECK(static_cast<int>(outputs[i].size()) == getSize(), "paro: all_gather needs a list of ", getSize(),
+                " output tensors (got ", outputs[i].size(), ")");
+    for (const auto& t : outputs[i]) {
+      TORCH_CHECK(t.numel() == inputs[i].numel(), "paro: all_gather output tensors must match the input's size");
+      check_same(inputs[i], t, "all_gather");
+      flat_outputs.push_back(t);
+    }
+  }
+  std::vector<at::Tensor> ins = inputs;
+  std::vector<std::vector<at::Tensor>> outs = outputs;
+  return enqueue(c10d::OpType::ALLGATHER, flat_outputs, [this, ins, outs] {
+    for (size_t i = 0; i < ins.size(); ++i) {
+      at::Tensor in = ins[i].contiguous();
+      at::Tensor gathered = at::empty({in.numel() * getSize()}, in.options());
+      run(CollectiveOp::AllGather, in, gathered, in.numel(), 0, c10d::ReduceOp(c10d::ReduceOp::SUM));
+      for (int r = 0; r < getSize(); ++r) {
+        outs[i][r].copy_(gathered.narrow(0, r * in.numel(), in.numel()).view(outs[i][r].sizes()));
+      }
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ParoBackend::reduce_scatter_single(at::Tensor& output, at::Tensor& input,
+                                                                  const c10d::ReduceScatterOptions& opts) {
+  check_tensor(input, "reduce_scatter_tensor");
+  check_tensor(output, "reduce_scatter_tensor");
+  check_same(input, output, "reduce_scatter_tensor");
+  check_reduce_op(opts.reduceOp, input);
+  TORCH_CHECK(input.numel() == output.numel() * getSize(), "paro: reduce_scatter_tensor needs an input of ",
+              getSize(), " x ", output.numel(), " elements (got ", input.numel(), ")");
+  at::Tensor in = input, out = output;
+  c10d::ReduceOp op = opts.reduceOp;
+  return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, {output},
+                 [this, in, out, op] { run(CollectiveOp::ReduceScatter, in, out, out.numel(), 0, op); });
+}
+
+c10::intrusive_ptr<c10d::Work> ParoBackend::reduce_scatter_single_coalesced(std::vector<at::Tensor>& outputs,
+                                                                            std::vector<at::Tensor>& inputs,
+                                                                            const c10d::ReduceScatterOptions& opts) {
+  TORCH_CHECK(outputs.size() == inputs.size(), "paro: coalesced reduce-scatter needs as many outputs as inputs");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check_tensor(inputs[i], "reduce_scatter_tensor_coalesced");
+    check_tensor(outputs[i], "reduce_scatter_tensor_coalesced");
+    check_reduce_op(opts.reduceOp, inputs[i]);
+    TORCH_CHECK(inputs[i].numel() == outputs[i].numel() * getSize(),
+                "paro: reduce_scatter_tensor_coalesced input ", i, " has the wrong size");
+  }
+  std::vector<at::Tensor> ins = inputs, outs = outputs;
+  c10d::ReduceOp op = opts.reduceOp;
+  return enqueue(c10d::OpType::COALESCED, outputs, [this, ins, outs, op] {
+    for (size_t i = 0; i < ins.size(); ++i) {
+      run(CollectiveOp::ReduceScatter, ins[i], outs[i], outs[i].numel(), 0, op);
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ParoBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                           std::vector<std::vector<at::Tensor>>& inputs,
+                                                           const c10d::ReduceScatterOptions& opts) {
+  TORCH_CHECK(outputs.size() == 1 && inputs.size() == 1, "paro: reduce_scatter takes one output tensor per rank");
+  check_tensor(outputs[0], "reduce_scatter");
+  check_reduce_op(opts.reduceOp, outputs[0]);
+  TORCH_CHECK(static_cast<int>(inputs[0].size()) == getSize(), "paro: reduce_scatter needs a list of ", getSize(),
+              " input tensors (got ", inputs[0].size(), ")");
+  for (const auto& t : inputs[0]) {
+    TORCH_CHECK(t.numel() == outputs[0].numel(), "paro: reduce_scatter inputs must match the output's size");
+    check_same(outputs[0], t, "reduce_scatter");
+  }
+  std::vector<at::Tensor> ins = inputs[0];
+  at::Tensor out = outputs[0];
+  c10d::ReduceOp op = opts.reduceOp;
+  return enqueue(c10d::OpType::REDUCE_SCATTER, outputs, [this, ins, out, op] {
+    std::vector<at::Tensor> flat;
+    for (const auto& t : ins) flat.push_back(t.reshape({-1}));
+    at::Tensor in = at::cat(flat);
+    run(CollectiveOp::ReduceScatter, in, out, out.numel(), 0, op);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ParoBackend::barrier(const c10d::BarrierOptions& /*opts*/) {
+  return enqueue(c10d::OpType::BARRIER, {}, [this] {
+    at::Tensor none = at::empty({0});
+    run(CollectiveOp::Barrier, none, none, 0, 0, c10d::ReduceOp(c10d::ReduceOp::SUM));
+  });
+}
+
+// ------------------------------------------------------------------------------- pass-through
+c10::intrusive_ptr<c10d::Work> ParoBackend::all_to_all_single(at::Tensor& output, at::Tensor& input,
+                                                              std::vector<int64_t>& outputSplits,
+                                                              std::vector<int64_t>& inputSplits,
+                                                              const c10d::AllToAllOptions& opts) {
+  at::Tensor o = output, i = input;
+  std::vector<int64_t> os = outputSplits, is = inputSplits;
+  return enqueue(c10d::OpType::ALLTOALL_BASE, {output}, [this, o, i, os, is, opts]() mutable {
+    ops_[2] += 1;
+    flat_->all_to_all_single(o, i, os, is, opts)->wait();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ParoBackend::alltoall(std::vector<at::Tensor>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllToAllOptions& opts) {
+  std::vector<at::Tensor> o = outputs, i = inputs;
+  return enqueue(c10d::OpType::ALLTOALL, outputs, [this, o, i, opts]() mutable {
+    ops_[2] += 1;
+    flat_->alltoall(o, i, opts)->wait();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ParoBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                   std::vector<at::Tensor>& inputs,
+                                                   const c10d::GatherOptions& opts) {
+  std::vector<std::vector<at::Tensor>> o = outputs;
+  std::vector<at::Tensor> i = inputs;
+  return enqueue(c10d::OpType::GATHER, inputs, [this, o, i, opts]() mutable {
+    ops_[2] += 1;
+    flat_->gather(o, i, opts)->wait();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ParoBackend::scatter(std::vector<at::Tensor>& outputs,
+                                                    std::vector<std::vector<at::Tensor>>& inputs,
+                                                    const c10d::ScatterOptions& opts) {
+  std::vector<at::Tensor> o = outputs;
+  std::vector<std::vector<at::Tensor>> i = inputs;
+  return enqueue(c10d::OpType::SCATTER, outputs, [this, o, i, opts]() mutable {
+    ops_[2] += 1;
+    flat_->scatter(o, i, opts)->wait();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ParoBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
+  return flat_->send(tensors, dstRank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> ParoBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
+  return flat_->recv(tensors, srcRank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> ParoBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  return flat_->recvAnysource(tensors, tag);
+}
+
+// ---------------------------------------------------------------------------------- accounting
+rust::Vec<std::uint64_t> ParoBackend::stats() const {
+  rust::Vec<std::uint64_t> v;
+  for (const auto& b : bytes_) v.push_back(b.load());
+  for (const auto& o : ops_) v.push_back(o.load());
+  return v;
+}
+
+void ParoBackend::reset_stats() {
+  for (auto& b : bytes_) b = 0;
+  for (auto& o : ops_) o = 0;
+}
+
+}  // namespace paro

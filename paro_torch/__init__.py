@@ -1,0 +1,29 @@
+"""paro-torch: PaRO (arXiv 2310.06003) for PyTorch.
+
+PaRO-DP shards parameters, gradients and optimizer states each at its own granularity (N, I, G);
+PaRO-CC runs collectives hierarchically as the ``paro`` torch.distributed backend; a cost model picks
+the strategy.
+"""
+
+import torch  # noqa: F401  (loads libtorch before the extension that links it)
+
+from paro_torch import _C
+from paro_torch._backend import CommStats, ParoBackendOptions, comm_stats, register, reset_comm_stats
+from paro_torch._C import ALIASES, STRATEGIES, InvalidStrategyError, Strategy, TopologyError
+
+register()
+
+__all__ = [
+    "ALIASES",
+    "STRATEGIES",
+    "CommStats",
+    "InvalidStrategyError",
+    "ParoBackendOptions",
+    "Strategy",
+    "TopologyError",
+    "comm_stats",
+    "register",
+    "reset_comm_stats",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,148 @@
+"""The ``paro`` torch.distributed backend: registration, the creator that builds sub-backends, counters.
+
+Every collective of a ``paro`` process group runs as a plan of the Rust planner (PaRO-CC): intra-group
+steps on a Gloo sub-group of the fast-linked ranks, inter-group steps on a Gloo sub-group of the ranks with
+the same local rank (one rail), chunked so that both levels work at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from paro_torch import _C
+
+logger = logging.getLogger("paro_torch")
+
+BACKEND_NAME = "paro"
+_DEFAULT_CHUNK_BYTES = 1 << 20
+_DEFAULT_MAX_CHUNKS = 8
+_warned_flat: set[tuple[int, ...]] = set()
+
+
+@dataclass(frozen=True)
+class ParoBackendOptions:
+    """Options for ``init_process_group("paro", pg_options=...)`` and ``new_group(..., pg_options=...)``."""
+
+    group_size: int | None = None
+    """Ranks per group (fast-linked ranks, e.g. one node); used when neither PARO_GROUP_SIZE nor LOCAL_WORLD_SIZE is set."""
+    chunk_bytes: int | None = None
+    """Target chunk size for pipelining the two levels (PARO_CHUNK_BYTES; default 1 MiB)."""
+    max_chunks: int | None = None
+    """Most chunks per collective (PARO_MAX_CHUNKS; default 8; 1 runs the levels one after the other)."""
+
+
+@dataclass(frozen=True)
+class CommStats:
+    """Bytes this rank sent and operations it issued, per level, since the last reset."""
+
+    intra_bytes: int
+    inter_bytes: int
+    flat_bytes: int
+    intra_ops: int
+    inter_ops: int
+    flat_ops: int
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer") from None
+
+
+def resolve_group_size(world_size: int, options: ParoBackendOptions | None = None) -> int:
+    """Ranks per group: PARO_GROUP_SIZE, else torchrun's LOCAL_WORLD_SIZE, else the option, else the world."""
+    for source, value in (
+        ("PARO_GROUP_SIZE", _env_int("PARO_GROUP_SIZE")),
+        ("LOCAL_WORLD_SIZE", _env_int("LOCAL_WORLD_SIZE")),
+        ("ParoBackendOptions.group_size", options.group_size if options else None),
+    ):
+        if value is not None:
+            if value < 1:
+                raise _C.TopologyError(f"{source}={value}: the group size must be at least 1")
+            return value
+    return world_size
+
+
+def _options(backend_options: Any) -> ParoBackendOptions | None:
+    if backend_options is None or isinstance(backend_options, ParoBackendOptions):
+        return backend_options
+    if isinstance(backend_options, dict):
+        return ParoBackendOptions(**backend_options)
+    return None
+
+
+def _gloo(store: dist.Store, prefix: str, rank: int, size: int, timeout: Any) -> dist.ProcessGroupGloo:
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, timeout)
+
+
+def _create(dist_backend_opts: Any, backend_options: Any) -> Any:
+    """Creator for ``Backend.register_backend(..., extended_api=True)``; runs on every rank of the new group."""
+    opts = _options(backend_options)
+    store, rank, size, timeout = (
+        dist_backend_opts.store,
+        dist_backend_opts.group_rank,
+        dist_backend_opts.group_size,
+        dist_backend_opts.timeout,
+    )
+    subgroup = bool(dist_backend_opts.global_ranks_in_group)
+    global_ranks = list(dist_backend_opts.global_ranks_in_group) or list(range(size))
+    if subgroup:
+        group_size = resolve_group_size(dist.get_world_size(), opts)
+    else:  # the world group: the group size must divide it, checked on every rank before any communication
+        group_size = resolve_group_size(size, opts)
+        _C.check_topology(size, group_size)
+    shape, reason = _C.subgroup_shape(global_ranks, group_size)
+    chunk_bytes = _env_int("PARO_CHUNK_BYTES") or (opts and opts.chunk_bytes) or _DEFAULT_CHUNK_BYTES
+    max_chunks = _env_int("PARO_MAX_CHUNKS") or (opts and opts.max_chunks) or _DEFAULT_MAX_CHUNKS
+
+    flat = _gloo(store, "paro/flat/", rank, size, timeout)
+    intra = inter = None
+    if shape is None:
+        key = tuple(global_ranks)
+        if key not in _warned_flat:
+            _warned_flat.add(key)
+            logger.warning("paro: process group %s runs flat collectives: %s", global_ranks, reason)
+        m = 0
+    else:
+        _, m = shape
+        g = size // m
+        k, r = divmod(rank, m)
+        intra = flat if g == 1 else (None if m == 1 else _gloo(store, f"paro/intra/{k}/", r, m, timeout))
+        inter = flat if m == 1 else (None if g == 1 else _gloo(store, f"paro/inter/{r}/", k, g, timeout))
+    return _C.create_backend(size, m, rank, chunk_bytes, max_chunks, intra, inter, flat)
+
+
+def register() -> None:
+    """Registers ``paro`` with torch.distributed (idempotent; also the package's entry point)."""
+    if BACKEND_NAME.upper() in dist.Backend._plugins:
+        return
+    try:
+        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+    except Exception as e:
+        raise RuntimeError(f"paro_torch: failed to register the {BACKEND_NAME!r} process group backend: {e}") from e
+
+
+def _paro_backend(group: dist.ProcessGroup | None) -> Any:
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    return pg._get_backend(torch.device("cpu"))
+
+
+def comm_stats(group: dist.ProcessGroup | None = None) -> CommStats:
+    """Bytes sent and operations issued per level by this rank on a ``paro`` group since ``reset_comm_stats``."""
+    (ib, io), (eb, eo), (fb, fo) = _C.backend_stats(_paro_backend(group))
+    return CommStats(intra_bytes=ib, inter_bytes=eb, flat_bytes=fb, intra_ops=io, inter_ops=eo, flat_ops=fo)
+
+
+def reset_comm_stats(group: dist.ProcessGroup | None = None) -> None:
+    """Zeroes the counters of a ``paro`` group."""
+    _C.reset_backend_stats(_paro_backend(group))

@@ -1,0 +1,73 @@
+"""Starts N ranks of a worker script as plain processes (env:// rendezvous) and collects their results."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+WORKERS = Path(__file__).parent / "workers"
+
+
+@dataclass
+class RankResult:
+    rank: int
+    returncode: int
+    output: str
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(
+    script: str, world: int, *, env: dict[str, str] | None = None, args: tuple[str, ...] = (), timeout: float = 600
+) -> list[RankResult]:
+    """Runs ``workers/<script>`` on ``world`` ranks; kills them all if they exceed ``timeout`` seconds."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        e = dict(os.environ)
+        e.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            OMP_NUM_THREADS="1",
+            PYTHONUNBUFFERED="1",
+        )
+        e.pop("LOCAL_WORLD_SIZE", None)
+        e.update(env or {})
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKERS / script), *args],
+                env=e,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    results = []
+    try:
+        for rank, p in enumerate(procs):
+            out, _ = p.communicate(timeout=timeout)
+            results.append(RankResult(rank, p.returncode, out))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        outs = [p.communicate()[0] for p in procs]
+        raise AssertionError(f"{script} on {world} ranks hung for {timeout}s:\n" + "\n".join(o[-2000:] for o in outs))
+    return results
+
+
+def assert_ok(results: list[RankResult]) -> None:
+    """Fails with every failing rank's output."""
+    bad = [r for r in results if r.returncode != 0]
+    if bad:
+        raise AssertionError("\n".join(f"--- rank {r.rank} exited {r.returncode}:\n{r.output[-4000:]}" for r in bad))
