@@ -108,7 +108,16 @@ ParoBackend::~ParoBackend() {
     stop_ = true;
   }
   cv_.notify_all();
-  if (worker_.joinable()) worker_.join();
+  if (!worker_.joinable()) return;
+  if (worker_.get_id() == std::this_thread::get_id()) {
+    worker_.detach();  // the last reference was dropped by a completion callback on the worker itself
+    return;
+  }
+  try {
+    worker_.join();
+  } catch (const std::exception&) {
+    worker_.detach();
+  }
 }
 
 void ParoBackend::worker_loop() {

@@ -33,7 +33,11 @@ pub struct ShardLayout {
 impl ShardLayout {
     /// Lays out a buffer of `numel` elements.
     pub fn new(numel: u64, topology: Topology) -> Self {
-        ShardLayout { numel, padded: padded_numel(numel, topology.world), topology }
+        ShardLayout {
+            numel,
+            padded: padded_numel(numel, topology.world),
+            topology,
+        }
     }
 
     /// Elements per shard at a granularity (the whole padded buffer for N).
@@ -95,11 +99,15 @@ impl FlatLayout {
         let mut total: u64 = 0;
         for &n in numels {
             offsets.push(total);
-            total = total
-                .checked_add(n)
-                .ok_or_else(|| ParoError::Invalid("flat buffer larger than 2^64 elements".into()))?;
+            total = total.checked_add(n).ok_or_else(|| {
+                ParoError::Invalid("flat buffer larger than 2^64 elements".into())
+            })?;
         }
-        Ok(FlatLayout { offsets, numels: numels.to_vec(), shards: ShardLayout::new(total, topology) })
+        Ok(FlatLayout {
+            offsets,
+            numels: numels.to_vec(),
+            shards: ShardLayout::new(total, topology),
+        })
     }
 
     /// The parts of parameters that fall into `rank`'s shard at a granularity, in buffer order.
@@ -110,7 +118,12 @@ impl FlatLayout {
             let start = off.max(range.start);
             let end = (off + n).min(range.end);
             if start < end {
-                out.push(Piece { param, param_offset: start - off, shard_offset: start - range.start, numel: end - start });
+                out.push(Piece {
+                    param,
+                    param_offset: start - off,
+                    shard_offset: start - range.start,
+                    numel: end - start,
+                });
             }
         }
         out
@@ -135,13 +148,28 @@ mod tests {
         let f = FlatLayout::new(&[3, 4, 3], t).unwrap();
         assert_eq!(
             f.pieces(Granularity::G, 2),
-            vec![Piece { param: 1, param_offset: 0, shard_offset: 0, numel: 3 }]
+            vec![Piece {
+                param: 1,
+                param_offset: 0,
+                shard_offset: 0,
+                numel: 3
+            }]
         );
         assert_eq!(
             f.pieces(Granularity::I, 0),
             vec![
-                Piece { param: 0, param_offset: 0, shard_offset: 0, numel: 3 },
-                Piece { param: 1, param_offset: 0, shard_offset: 3, numel: 3 }
+                Piece {
+                    param: 0,
+                    param_offset: 0,
+                    shard_offset: 0,
+                    numel: 3
+                },
+                Piece {
+                    param: 1,
+                    param_offset: 0,
+                    shard_offset: 3,
+                    numel: 3
+                }
             ]
         );
     }
@@ -154,7 +182,7 @@ mod tests {
         #[test]
         fn shards_tile_and_nest(numel in 0u64..500, t in topo()) {
             let l = ShardLayout::new(numel, t);
-            prop_assert!(l.padded >= numel && l.padded % t.world as u64 == 0 && l.padded - numel < t.world as u64);
+            prop_assert!(l.padded >= numel && l.padded.is_multiple_of(t.world as u64) && l.padded - numel < t.world as u64);
             for gran in Granularity::ALL {
                 // the shards of one replica tile the buffer: collect the ranges of ranks that hold distinct shards
                 let holders: Vec<usize> = match gran {

@@ -7,6 +7,7 @@
 pub mod cost;
 pub mod error;
 pub mod layout;
+pub mod model;
 pub mod planner;
 pub mod strategy;
 pub mod topology;

@@ -25,9 +25,9 @@ impl Topology {
                     .into(),
             ));
         }
-        if world % group_size != 0 {
+        if !world.is_multiple_of(group_size) {
             let divisors: Vec<String> = (1..=world)
-                .filter(|d| world % d == 0)
+                .filter(|d| world.is_multiple_of(*d))
                 .map(|d| d.to_string())
                 .collect();
             return Err(ParoError::Topology(format!(

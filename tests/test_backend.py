@@ -1,0 +1,64 @@
+"""The ``paro`` torch.distributed backend (PaRO-CC), multi-process on CPU."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from launch import WORKERS, assert_ok, free_port, launch
+
+pytestmark = pytest.mark.multiproc
+
+# (world, group size): 2 groups x 2, 2 x 4, 4 x 2, one rank per group, one group
+SHAPES = [(4, 2), (8, 4), (8, 2), (4, 1), (4, 4)]
+
+
+@pytest.mark.parametrize("world,group_size", SHAPES, ids=[f"{w // m}x{m}" for w, m in SHAPES])
+def test_every_collective_matches_the_reference(world: int, group_size: int) -> None:
+    # small chunks, so that the pipelined multi-chunk plans run too
+    env = {"PARO_GROUP_SIZE": str(group_size), "PARO_CHUNK_BYTES": "256"}
+    assert_ok(launch("collectives.py", world, env=env))
+
+
+@pytest.mark.parametrize("world,group_size", [(4, 2), (8, 4), (8, 2)])
+def test_counted_bytes_follow_the_ring_formulas(world: int, group_size: int) -> None:
+    assert_ok(launch("stats.py", world, env={"PARO_GROUP_SIZE": str(group_size)}))
+
+
+@pytest.mark.parametrize("framework", ["ddp", "fsdp1_full", "fsdp1_hybrid", "fsdp2", "hsdp"])
+def test_frameworks_train_like_one_process(framework: str) -> None:
+    assert_ok(launch("frameworks.py", 4, env={"PARO_GROUP_SIZE": "2"}, args=(framework,)))
+
+
+def test_frameworks_on_four_groups() -> None:
+    assert_ok(launch("frameworks.py", 8, env={"PARO_GROUP_SIZE": "2"}, args=("hsdp",)))
+
+
+@pytest.mark.parametrize("mode", ["exit", "stuck"])
+def test_a_dead_rank_ends_the_job_with_an_error(mode: str) -> None:
+    start = time.monotonic()
+    results = launch("dead_rank.py", 4, env={"PARO_GROUP_SIZE": "2"}, args=(mode,), timeout=120)
+    for r in results:
+        if r.rank == 1:
+            continue
+        assert r.returncode == 0 and "error raised" in r.output, r.output[-2000:]
+    assert time.monotonic() - start < 100
+
+
+def test_torchrun_finds_the_backend_through_its_entry_point() -> None:
+    env = dict(os.environ, PARO_GROUP_SIZE="2", OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+        f"--master-port={free_port()}", str(WORKERS / "entry_point.py"),
+    ]  # fmt: skip
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.stdout.count("entry point OK") == 4
+
+
+def test_group_size_that_does_not_divide_the_world_fails_on_every_rank() -> None:
+    results = launch("entry_point.py", 4, env={"PARO_GROUP_SIZE": "3"}, timeout=120)
+    for r in results:
+        assert r.returncode != 0 and "world size 4 is not divisible by group size 3" in r.output, r.output[-2000:]
