@@ -53,7 +53,7 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     groups = [mesh.get_group(0), mesh.get_group(1)]
 
-    text = torch.tensor(list((open(__file__, "rb").read() * 4)[: 4096]), dtype=torch.long)
+    text = torch.tensor(list((open(__file__, "rb").read() * 4)[:4096]), dtype=torch.long)
     for step in range(args.steps):
         for pg in groups:
             paro_torch.reset_comm_stats(pg)

@@ -30,7 +30,7 @@ class ParoBackendOptions:
     """Options for ``init_process_group("paro", pg_options=...)`` and ``new_group(..., pg_options=...)``."""
 
     group_size: int | None = None
-    """Ranks per group (fast-linked ranks, e.g. one node); used when neither PARO_GROUP_SIZE nor LOCAL_WORLD_SIZE is set."""
+    """Ranks per group (fast-linked ranks, e.g. one node); used when PARO_GROUP_SIZE and LOCAL_WORLD_SIZE are unset."""
     chunk_bytes: int | None = None
     """Target chunk size for pipelining the two levels (PARO_CHUNK_BYTES; default 1 MiB)."""
     max_chunks: int | None = None
@@ -105,7 +105,11 @@ def _create(dist_backend_opts: Any, backend_options: Any) -> Any:
     chunk_bytes = _env_int("PARO_CHUNK_BYTES") or (opts and opts.chunk_bytes) or _DEFAULT_CHUNK_BYTES
     max_chunks = _env_int("PARO_MAX_CHUNKS") or (opts and opts.max_chunks) or _DEFAULT_MAX_CHUNKS
 
-    flat = _gloo(store, "paro/flat/", rank, size, timeout)
+    # Every instance gets fresh store keys, so a group created again after destroy_process_group (same
+    # group name, same store under torchrun) never meets the previous instance's Gloo rendezvous keys.
+    instance = (store.add("paro/instances", 1) - 1) // size
+    base = f"paro/{instance}/"
+    flat = _gloo(store, base + "flat/", rank, size, timeout)
     intra = inter = None
     if shape is None:
         key = tuple(global_ranks)
@@ -117,8 +121,8 @@ def _create(dist_backend_opts: Any, backend_options: Any) -> Any:
         _, m = shape
         g = size // m
         k, r = divmod(rank, m)
-        intra = flat if g == 1 else (None if m == 1 else _gloo(store, f"paro/intra/{k}/", r, m, timeout))
-        inter = flat if m == 1 else (None if g == 1 else _gloo(store, f"paro/inter/{r}/", k, g, timeout))
+        intra = flat if g == 1 else (None if m == 1 else _gloo(store, f"{base}intra/{k}/", r, m, timeout))
+        inter = flat if m == 1 else (None if g == 1 else _gloo(store, f"{base}inter/{r}/", k, g, timeout))
     return _C.create_backend(size, m, rank, chunk_bytes, max_chunks, intra, inter, flat)
 
 

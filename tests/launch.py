@@ -58,11 +58,12 @@ def launch(
         for rank, p in enumerate(procs):
             out, _ = p.communicate(timeout=timeout)
             results.append(RankResult(rank, p.returncode, out))
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as err:
         for p in procs:
             p.kill()
         outs = [p.communicate()[0] for p in procs]
-        raise AssertionError(f"{script} on {world} ranks hung for {timeout}s:\n" + "\n".join(o[-2000:] for o in outs))
+        tails = "\n".join(o[-2000:] for o in outs)
+        raise AssertionError(f"{script} on {world} ranks hung for {timeout}s:\n{tails}") from err
     return results
 
 

@@ -6,7 +6,6 @@ import sys
 import time
 
 import pytest
-
 from launch import WORKERS, assert_ok, free_port, launch
 
 pytestmark = pytest.mark.multiproc

@@ -11,29 +11,23 @@ fn probe(python: &str, code: &str, clean_env: bool) -> Option<String> {
     let mut cmd = Command::new(python);
     cmd.args(["-c", code]);
     if clean_env {
-        cmd.env_remove("PYTHONPATH")
-            .env_remove("PYTHONNOUSERSITE")
-            .env_remove("PYTHONHOME");
+        cmd.env_remove("PYTHONPATH").env_remove("PYTHONNOUSERSITE").env_remove("PYTHONHOME");
     }
     let out = cmd.output().ok()?;
-    out.status
-        .success()
-        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
 fn main() {
     let python = env::var("PYO3_PYTHON").unwrap_or_else(|_| "python3".into());
-    let torch_code = "import importlib.util, os; s = importlib.util.find_spec('torch'); print(os.path.dirname(s.origin))";
-    let torch_dir = env::var("PARO_TORCH_DIR")
-        .ok()
-        .or_else(|| probe(&python, torch_code, false))
-        .or_else(|| {
-            let found = probe(&python, torch_code, true);
-            if found.is_some() {
-                println!("cargo:warning=torch found outside the isolated build environment");
-            }
-            found
-        });
+    let torch_code =
+        "import importlib.util, os; s = importlib.util.find_spec('torch'); print(os.path.dirname(s.origin))";
+    let torch_dir = env::var("PARO_TORCH_DIR").ok().or_else(|| probe(&python, torch_code, false)).or_else(|| {
+        let found = probe(&python, torch_code, true);
+        if found.is_some() {
+            println!("cargo:warning=torch found outside the isolated build environment");
+        }
+        found
+    });
     let Some(torch_dir) = torch_dir else {
         panic!(
             "paro-torch: cannot find torch for {python}. Install torch>=2.15,<2.16 first, or set PARO_TORCH_DIR to \
@@ -41,16 +35,9 @@ fn main() {
         );
     };
     let torch = PathBuf::from(&torch_dir);
-    let py_include = probe(
-        &python,
-        "import sysconfig; print(sysconfig.get_paths()['include'])",
-        true,
-    )
-    .expect("paro-torch: cannot ask Python for its include directory");
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../..")
-        .canonicalize()
-        .expect("repository root");
+    let py_include = probe(&python, "import sysconfig; print(sysconfig.get_paths()['include'])", true)
+        .expect("paro-torch: cannot ask Python for its include directory");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().expect("repository root");
 
     let mut build = cxx_build::bridge("src/bridge.rs");
     build
@@ -69,10 +56,7 @@ fn main() {
     }
     build.compile("paro_cxx");
 
-    println!(
-        "cargo:rustc-link-search=native={}",
-        torch.join("lib").display()
-    );
+    println!("cargo:rustc-link-search=native={}", torch.join("lib").display());
     for lib in ["torch", "torch_cpu", "c10"] {
         println!("cargo:rustc-link-lib=dylib={lib}");
     }

@@ -3,7 +3,6 @@
 Values are small integers, so every dtype (bf16 included) must match bit for bit.
 """
 
-import os
 import sys
 
 import torch
@@ -109,7 +108,8 @@ def main() -> None:
                 check(f"reduce_scatter_tensor {op} {tag}", out, want)
             out = torch.empty(numel, dtype=dtype)
             dist.reduce_scatter(out, list(big.clone().chunk(world)) if numel else [big[:0]] * world)
-            check(f"reduce_scatter list {tag}", out, reduce_ref(big_stack, "sum", world, dtype)[rank * numel : (rank + 1) * numel])
+            want = reduce_ref(big_stack, "sum", world, dtype)[rank * numel : (rank + 1) * numel]
+            check(f"reduce_scatter list {tag}", out, want)
             for root in range(world):
                 y = x.clone()
                 dist.broadcast(y, src=root)
@@ -123,10 +123,10 @@ def main() -> None:
     xs = [values(rank, n, torch.float32) for n in (3, 5)]
     outs = [torch.empty(world * x.numel()) for x in xs]
     with dist._coalescing_manager(async_ops=True) as cm:
-        for o, x in zip(outs, xs):
+        for o, x in zip(outs, xs, strict=True):
             dist.all_gather_into_tensor(o, x)
     cm.wait()
-    for o, x in zip(outs, xs):
+    for o, x in zip(outs, xs, strict=True):
         check("coalesced all_gather", o, gathered(x).reshape(-1))
     dist.barrier()
     # pass-through collectives

@@ -88,7 +88,7 @@ def main() -> None:
         nn.functional.mse_loss(model(xs), ys).backward()
         opt.step()
     got = full_params(framework, model)
-    worst = max((a - b).abs().max().item() for a, b in zip(got, ref.parameters()))
+    worst = max((a - b).abs().max().item() for a, b in zip(got, ref.parameters(), strict=True))
     assert worst < 1e-6, f"{framework}: parameters differ from single-process training by {worst}"
     stats = [paro_torch.comm_stats(pg) for pg in groups]
     assert all(s.intra_ops + s.inter_ops + s.flat_ops > 0 for s in stats), f"a group carried nothing: {stats}"

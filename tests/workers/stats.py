@@ -52,7 +52,7 @@ def main() -> None:
     try:
         paro_torch.comm_stats(dist.group.WORLD)
     except ValueError as err:
-        assert "not \"paro\"" in str(err), err
+        assert 'not "paro"' in str(err), err
     else:
         raise AssertionError("comm_stats accepted a gloo group")
     print(f"rank {rank}: stats OK")

@@ -123,10 +123,7 @@ pub struct Selection {
 
 impl Default for Selection {
     fn default() -> Self {
-        Selection {
-            time_tolerance: 0.05,
-            memory_tolerance: 0.05,
-        }
+        Selection { time_tolerance: 0.05, memory_tolerance: 0.05 }
     }
 }
 
@@ -294,15 +291,10 @@ pub struct Report {
 
 /// Parses a JSON [`Request`] and returns the JSON [`Report`].
 pub fn estimate_json(request: &str) -> Result<String> {
-    let req: Request = serde_json::from_str(request).map_err(|e| ParoError::Json {
-        what: "the cost-model request",
-        msg: e.to_string(),
-    })?;
+    let req: Request = serde_json::from_str(request)
+        .map_err(|e| ParoError::Json { what: "the cost-model request", msg: e.to_string() })?;
     let report = estimate(&req)?;
-    serde_json::to_string(&report).map_err(|e| ParoError::Json {
-        what: "the cost-model report",
-        msg: e.to_string(),
-    })
+    serde_json::to_string(&report).map_err(|e| ParoError::Json { what: "the cost-model report", msg: e.to_string() })
 }
 
 /// Estimates memory and communication of the requested strategies and picks one.
@@ -329,17 +321,8 @@ pub fn estimate(req: &Request) -> Result<Report> {
         None => 0,
     };
     let ctx = Context::new(&topo, req, &model, activations)?;
-    let estimates = strategies
-        .iter()
-        .map(|&s| ctx.estimate(s))
-        .collect::<Result<Vec<_>>>()?;
-    let (choice, reason) = choose(
-        &estimates,
-        cluster.memory_bytes,
-        &req.selection,
-        &req.training,
-        &model,
-    );
+    let estimates = strategies.iter().map(|&s| ctx.estimate(s)).collect::<Result<Vec<_>>>()?;
+    let (choice, reason) = choose(&estimates, cluster.memory_bytes, &req.selection, &req.training, &model);
     Ok(Report {
         model: ModelSummary {
             params: model.num_params(),
@@ -370,30 +353,20 @@ pub fn padded_numel(numel: u64, world: u64) -> Result<u64> {
 }
 
 fn validate_cluster(c: &Cluster) -> Result<()> {
-    for (name, v) in [
-        ("intra_bandwidth", c.intra_bandwidth),
-        ("inter_bandwidth", c.inter_bandwidth),
-    ] {
+    for (name, v) in [("intra_bandwidth", c.intra_bandwidth), ("inter_bandwidth", c.inter_bandwidth)] {
         if !(v.is_finite() && v > 0.0) {
             return Err(ParoError::Invalid(format!(
                 "{name} {v} must be a positive number of bytes per second per rank"
             )));
         }
     }
-    for (name, v) in [
-        ("intra_latency", c.intra_latency),
-        ("inter_latency", c.inter_latency),
-    ] {
+    for (name, v) in [("intra_latency", c.intra_latency), ("inter_latency", c.inter_latency)] {
         if !(v.is_finite() && v >= 0.0) {
-            return Err(ParoError::Invalid(format!(
-                "{name} {v} must be a non-negative number of seconds"
-            )));
+            return Err(ParoError::Invalid(format!("{name} {v} must be a non-negative number of seconds")));
         }
     }
     if c.memory_bytes == 0 {
-        return Err(ParoError::Invalid(
-            "memory_bytes must be the memory budget per rank in bytes, at least 1".into(),
-        ));
+        return Err(ParoError::Invalid("memory_bytes must be the memory budget per rank in bytes, at least 1".into()));
     }
     Ok(())
 }
@@ -408,28 +381,19 @@ fn validate_training(t: &Training) -> Result<()> {
         ("prefetch", t.prefetch),
     ] {
         if v == 0 {
-            return Err(ParoError::Invalid(format!(
-                "training.{name} must be at least 1"
-            )));
+            return Err(ParoError::Invalid(format!("training.{name} must be at least 1")));
         }
     }
     if t.grad_accum > 1_000_000 || t.prefetch > 1_000_000 {
-        return Err(ParoError::Invalid(
-            "training.grad_accum and training.prefetch must be at most 1000000".into(),
-        ));
+        return Err(ParoError::Invalid("training.grad_accum and training.prefetch must be at most 1000000".into()));
     }
     Ok(())
 }
 
 fn validate_selection(s: &Selection) -> Result<()> {
-    for (name, v) in [
-        ("time_tolerance", s.time_tolerance),
-        ("memory_tolerance", s.memory_tolerance),
-    ] {
+    for (name, v) in [("time_tolerance", s.time_tolerance), ("memory_tolerance", s.memory_tolerance)] {
         if !(v.is_finite() && v >= 0.0) {
-            return Err(ParoError::Invalid(format!(
-                "selection.{name} {v} must be a non-negative fraction"
-            )));
+            return Err(ParoError::Invalid(format!("selection.{name} {v} must be a non-negative fraction")));
         }
     }
     Ok(())
@@ -441,23 +405,17 @@ fn requested_strategies(names: Option<&[String]>) -> Result<Vec<Strategy>> {
         return Ok(all);
     };
     if names.is_empty() {
-        return Err(ParoError::Invalid(
-            "strategies is empty; leave it out to estimate all 14".into(),
-        ));
+        return Err(ParoError::Invalid("strategies is empty; leave it out to estimate all 14".into()));
     }
-    let wanted = names
-        .iter()
-        .map(|n| Strategy::parse(n))
-        .collect::<Result<Vec<_>>>()?;
+    let wanted = names.iter().map(|n| Strategy::parse(n)).collect::<Result<Vec<_>>>()?;
     Ok(all.into_iter().filter(|s| wanted.contains(s)).collect())
 }
 
 fn notes(model: &Model) -> Vec<String> {
-    let mut notes = vec![
-        "times are communication only (compute is the same for every strategy) and assume no overlap, neither \
+    let mut notes =
+        vec!["times are communication only (compute is the same for every strategy) and assume no overlap, neither \
          with compute nor between the two phases of a hierarchical collective"
-            .to_string(),
-    ];
+            .to_string()];
     if !model.blocks_known {
         notes.push(
             "block sizes are unknown (a bare parameter count): gathered-parameter and unsharded-gradient buffers \
@@ -554,18 +512,9 @@ impl<'a> Context<'a> {
             .collect::<Result<Vec<_>>>()?;
         // Checks once that the largest sums fit, so the per-strategy sums below cannot overflow.
         let total = padded.iter().try_fold(0u64, |acc, &(t, f)| {
-            checked_add(
-                acc,
-                checked_add(t, f, "the padded parameter count")?,
-                "the padded parameter count",
-            )
+            checked_add(acc, checked_add(t, f, "the padded parameter count")?, "the padded parameter count")
         })?;
-        let widest = req
-            .training
-            .param_bytes
-            .max(req.training.grad_bytes)
-            .max(req.training.optimizer_bytes)
-            .max(4);
+        let widest = req.training.param_bytes.max(req.training.grad_bytes).max(req.training.optimizer_bytes).max(4);
         checked_mul(total, widest, "the memory of the model states")?;
         Ok(Context {
             n,
@@ -638,19 +587,10 @@ impl<'a> Context<'a> {
         } else {
             0
         };
-        let fp32_grads = if t.grad_bytes < 4 {
-            checked_mul(trainable / dos, 4, w)?
-        } else {
-            0
-        };
-        let total = [
-            gathered_params,
-            unsharded_grads,
-            fp32_grads,
-            self.activations,
-        ]
-        .iter()
-        .try_fold(model_states, |acc, &x| checked_add(acc, x, w))?;
+        let fp32_grads = if t.grad_bytes < 4 { checked_mul(trainable / dos, 4, w)? } else { 0 };
+        let total = [gathered_params, unsharded_grads, fp32_grads, self.activations]
+            .iter()
+            .try_fold(model_states, |acc, &x| checked_add(acc, x, w))?;
         Ok(Memory {
             params,
             grads,
@@ -676,14 +616,7 @@ impl<'a> Context<'a> {
             if s.p != N {
                 for numel in [tr, fr].into_iter().filter(|&x| x > 0) {
                     let bytes = checked_mul(numel, t.param_bytes, w)?;
-                    self.add(
-                        plan,
-                        Phase::ParamGather,
-                        Op::AllGather,
-                        level_of(s.p),
-                        gathers_per_step,
-                        bytes,
-                    )?;
+                    self.add(plan, Phase::ParamGather, Op::AllGather, level_of(s.p), gathers_per_step, bytes)?;
                 }
             }
             if tr == 0 {
@@ -693,75 +626,26 @@ impl<'a> Context<'a> {
             let param = checked_mul(tr, t.param_bytes, w)?;
             // Gradients: reduce-scatter every micro-step to the g layout.
             if s.g != N {
-                self.add(
-                    plan,
-                    Phase::GradReduce,
-                    Op::ReduceScatter,
-                    level_of(s.g),
-                    t.grad_accum,
-                    grad,
-                )?;
+                self.add(plan, Phase::GradReduce, Op::ReduceScatter, level_of(s.g), t.grad_accum, grad)?;
             }
             // t_syncg: accumulated gradients to the optimizer-state layout, by (g, os).
             let slice = grad / self.m;
             match (s.g, s.os) {
                 (N, N) => self.add(plan, Phase::SyncGrad, Op::AllReduce, Level::Global, 1, grad)?,
                 (N, I) => {
-                    self.add(
-                        plan,
-                        Phase::SyncGrad,
-                        Op::ReduceScatter,
-                        Level::Intra,
-                        1,
-                        grad,
-                    )?;
+                    self.add(plan, Phase::SyncGrad, Op::ReduceScatter, Level::Intra, 1, grad)?;
                     self.add(plan, Phase::SyncGrad, Op::AllReduce, Level::Inter, 1, slice)?;
                 }
-                (N, G) => self.add(
-                    plan,
-                    Phase::SyncGrad,
-                    Op::ReduceScatter,
-                    Level::Global,
-                    1,
-                    grad,
-                )?,
+                (N, G) => self.add(plan, Phase::SyncGrad, Op::ReduceScatter, Level::Global, 1, grad)?,
                 (I, I) => self.add(plan, Phase::SyncGrad, Op::AllReduce, Level::Inter, 1, slice)?,
-                (I, G) => self.add(
-                    plan,
-                    Phase::SyncGrad,
-                    Op::ReduceScatter,
-                    Level::Inter,
-                    1,
-                    slice,
-                )?,
+                (I, G) => self.add(plan, Phase::SyncGrad, Op::ReduceScatter, Level::Inter, 1, slice)?,
                 _ => {}
             }
             // t_syncp: updated trainable parameters back to the p layout, by (p, os).
             match (s.p, s.os) {
-                (N, I) => self.add(
-                    plan,
-                    Phase::SyncParam,
-                    Op::AllGather,
-                    Level::Intra,
-                    1,
-                    param,
-                )?,
-                (N, G) => self.add(
-                    plan,
-                    Phase::SyncParam,
-                    Op::AllGather,
-                    Level::Global,
-                    1,
-                    param,
-                )?,
-                (I, G) => self.add(
-                    plan,
-                    Phase::SyncParam,
-                    Op::AllGather,
-                    Level::Inter,
-                    1,
-                    param / self.m,
-                )?,
+                (N, I) => self.add(plan, Phase::SyncParam, Op::AllGather, Level::Intra, 1, param)?,
+                (N, G) => self.add(plan, Phase::SyncParam, Op::AllGather, Level::Global, 1, param)?,
+                (I, G) => self.add(plan, Phase::SyncParam, Op::AllGather, Level::Inter, 1, param / self.m)?,
                 _ => {}
             }
         }
@@ -769,39 +653,20 @@ impl<'a> Context<'a> {
     }
 
     /// Adds `count` calls of a collective on a buffer of `bytes` (a 1/m slice for the inter level).
-    fn add(
-        &self,
-        plan: &mut StepPlan,
-        phase: Phase,
-        op: Op,
-        level: Level,
-        count: u64,
-        bytes: u64,
-    ) -> Result<()> {
+    fn add(&self, plan: &mut StepPlan, phase: Phase, op: Op, level: Level, count: u64, bytes: u64) -> Result<()> {
         let one = self.traffic(op, level, bytes)?;
         if one.is_empty() {
             return Ok(());
         }
         let traffic = one.times(count)?;
         let payload = checked_mul(bytes, count, "the bytes per step")?;
-        match plan
-            .entries
-            .iter_mut()
-            .find(|e| e.phase == phase && e.op == op && e.level == level)
-        {
+        match plan.entries.iter_mut().find(|e| e.phase == phase && e.op == op && e.level == level) {
             Some(e) => {
                 e.count = checked_add(e.count, count, "the calls per step")?;
                 e.payload = checked_add(e.payload, payload, "the bytes per step")?;
                 e.traffic = e.traffic.plus(traffic)?;
             }
-            None => plan.entries.push(Entry {
-                phase,
-                op,
-                level,
-                count,
-                payload,
-                traffic,
-            }),
+            None => plan.entries.push(Entry { phase, op, level, count, payload, traffic }),
         }
         Ok(())
     }
@@ -810,21 +675,11 @@ impl<'a> Context<'a> {
     fn traffic(&self, op: Op, level: Level, x: u64) -> Result<Traffic> {
         let intra = |op, x| -> Result<Traffic> {
             let (bytes, hops) = ring(op, self.m, x)?;
-            Ok(Traffic {
-                intra_bytes: bytes,
-                intra_hops: hops,
-                timed_intra: bytes,
-                ..Traffic::default()
-            })
+            Ok(Traffic { intra_bytes: bytes, intra_hops: hops, timed_intra: bytes, ..Traffic::default() })
         };
         let inter = |op, x| -> Result<Traffic> {
             let (bytes, hops) = ring(op, self.g, x)?;
-            Ok(Traffic {
-                inter_bytes: bytes,
-                inter_hops: hops,
-                timed_inter: bytes,
-                ..Traffic::default()
-            })
+            Ok(Traffic { inter_bytes: bytes, inter_hops: hops, timed_inter: bytes, ..Traffic::default() })
         };
         match level {
             Level::Intra => intra(op, x),
@@ -833,12 +688,8 @@ impl<'a> Context<'a> {
                 CollectiveAlgorithm::Hierarchical => {
                     let slice = x / self.m;
                     match op {
-                        Op::AllGather => {
-                            inter(Op::AllGather, slice)?.plus(intra(Op::AllGather, x)?)
-                        }
-                        Op::ReduceScatter => {
-                            intra(Op::ReduceScatter, x)?.plus(inter(Op::ReduceScatter, slice)?)
-                        }
+                        Op::AllGather => inter(Op::AllGather, slice)?.plus(intra(Op::AllGather, x)?),
+                        Op::ReduceScatter => intra(Op::ReduceScatter, x)?.plus(inter(Op::ReduceScatter, slice)?),
                         Op::AllReduce => intra(Op::ReduceScatter, x)?
                             .plus(inter(Op::AllReduce, slice)?)?
                             .plus(intra(Op::AllGather, x)?),
@@ -908,34 +759,18 @@ fn choose(
     let Some(fastest) = fitting.iter().map(|e| e.time_s).min_by(f64::total_cmp) else {
         return (None, no_fit_reason(estimates, budget, training, model));
     };
-    let near: Vec<&StrategyEstimate> = fitting
-        .iter()
-        .copied()
-        .filter(|e| e.time_s <= fastest * (1.0 + sel.time_tolerance))
-        .collect();
+    let near: Vec<&StrategyEstimate> =
+        fitting.iter().copied().filter(|e| e.time_s <= fastest * (1.0 + sel.time_tolerance)).collect();
     let lightest = near.iter().map(|e| e.memory.total).min().unwrap_or(0);
     let slack = sel.memory_tolerance * budget as f64;
     let by_time_then_memory = |a: &&&StrategyEstimate, b: &&&StrategyEstimate| {
-        a.time_s
-            .total_cmp(&b.time_s)
-            .then(a.memory.total.cmp(&b.memory.total))
+        a.time_s.total_cmp(&b.time_s).then(a.memory.total.cmp(&b.memory.total))
     };
-    let Some(best) = near
-        .iter()
-        .filter(|e| (e.memory.total - lightest) as f64 <= slack)
-        .min_by(by_time_then_memory)
+    let Some(best) = near.iter().filter(|e| (e.memory.total - lightest) as f64 <= slack).min_by(by_time_then_memory)
     else {
         return (None, no_fit_reason(estimates, budget, training, model));
     };
-    let reason = choice_reason(
-        best,
-        &near,
-        fitting.len(),
-        estimates.len(),
-        fastest,
-        budget,
-        sel,
-    );
+    let reason = choice_reason(best, &near, fitting.len(), estimates.len(), fastest, budget, sel);
     (
         Some(Choice {
             strategy: best.strategy,
@@ -958,27 +793,13 @@ fn choice_reason(
 ) -> String {
     let pct = |x: f64| format!("{}%", trim_float(x * 100.0));
     let fit = if fitting == total {
-        format!(
-            "all {total} strategies, which all fit in {} per rank",
-            gb(budget)
-        )
+        format!("all {total} strategies, which all fit in {} per rank", gb(budget))
     } else {
-        format!(
-            "the {fitting} of {total} strategies that fit in {} per rank",
-            gb(budget)
-        )
+        format!("the {fitting} of {total} strategies that fit in {} per rank", gb(budget))
     };
-    let cost = format!(
-        "{} of communication per step, {} per rank",
-        secs(best.time_s),
-        gb(best.memory.total)
-    );
+    let cost = format!("{} of communication per step, {} per rank", secs(best.time_s), gb(best.memory.total));
     let head = if fitting == 1 {
-        format!(
-            "{}: the only one of the {total} strategies that fits in {} per rank ({cost})",
-            best.code,
-            gb(budget)
-        )
+        format!("{}: the only one of the {total} strategies that fits in {} per rank ({cost})", best.code, gb(budget))
     } else if best.time_s <= fastest {
         format!("{}: fastest of {fit} ({cost})", best.code)
     } else {
@@ -993,11 +814,7 @@ fn choice_reason(
         )
     };
     let mut others: Vec<&&StrategyEstimate> = near.iter().filter(|e| e.code != best.code).collect();
-    others.sort_by(|a, b| {
-        a.time_s
-            .total_cmp(&b.time_s)
-            .then(a.memory.total.cmp(&b.memory.total))
-    });
+    others.sort_by(|a, b| a.time_s.total_cmp(&b.time_s).then(a.memory.total.cmp(&b.memory.total)));
     let mut parts = vec![head];
     for o in others.iter().take(3) {
         let more = o.memory.total.cmp(&best.memory.total);
@@ -1022,12 +839,7 @@ fn choice_reason(
     parts.join("; ")
 }
 
-fn no_fit_reason(
-    estimates: &[StrategyEstimate],
-    budget: u64,
-    training: &Training,
-    model: &Model,
-) -> String {
+fn no_fit_reason(estimates: &[StrategyEstimate], budget: u64, training: &Training, model: &Model) -> String {
     let Some(smallest) = estimates.iter().min_by_key(|e| e.memory.total) else {
         return "no strategy was estimated".to_string();
     };
@@ -1114,10 +926,7 @@ mod tests {
             model,
             trainable,
             cluster,
-            training: Training {
-                grad_accum: 4,
-                ..Training::default()
-            },
+            training: Training { grad_accum: 4, ..Training::default() },
             collectives: CollectiveAlgorithm::Hierarchical,
             strategies: None,
             selection: Selection::default(),
@@ -1125,46 +934,29 @@ mod tests {
     }
 
     fn params(count: u64) -> ModelSpec {
-        ModelSpec {
-            params: Some(count),
-            ..ModelSpec::default()
-        }
+        ModelSpec { params: Some(count), ..ModelSpec::default() }
     }
 
     fn preset(name: &str) -> ModelSpec {
-        ModelSpec {
-            preset: Some(name.to_string()),
-            ..ModelSpec::default()
-        }
+        ModelSpec { preset: Some(name.to_string()), ..ModelSpec::default() }
     }
 
     fn blocks(b: &[(u64, u64)]) -> ModelSpec {
         ModelSpec {
-            blocks: Some(
-                b.iter()
-                    .map(|&(numel, trainable)| Block { numel, trainable })
-                    .collect(),
-            ),
+            blocks: Some(b.iter().map(|&(numel, trainable)| Block { numel, trainable }).collect()),
             ..ModelSpec::default()
         }
     }
 
     fn find<'r>(report: &'r Report, code: &str) -> &'r StrategyEstimate {
-        report
-            .strategies
-            .iter()
-            .find(|s| s.code == code)
-            .expect("strategy in report")
+        report.strategies.iter().find(|s| s.code == code).expect("strategy in report")
     }
 
     /// What a collective is, without its sizes.
     type Kind = (Phase, Op, Level);
 
     fn kinds(e: &StrategyEstimate) -> Vec<Kind> {
-        e.collectives
-            .iter()
-            .map(|c| (c.phase, c.op, c.level))
-            .collect()
+        e.collectives.iter().map(|c| (c.phase, c.op, c.level)).collect()
     }
 
     #[test]
@@ -1194,78 +986,41 @@ mod tests {
             (PSI_65B, 64, 0.003),
         ];
         for (col, &(psi, world, fraction)) in columns.iter().enumerate() {
-            let report = estimate(&request(
-                params(psi),
-                Some(Trainable::Fraction(fraction)),
-                cluster(world),
-            ))
-            .unwrap();
+            let report = estimate(&request(params(psi), Some(Trainable::Fraction(fraction)), cluster(world))).unwrap();
             for (code, row) in &table {
                 let got = find(&report, code).memory.model_states as f64 / GB;
-                assert!(
-                    (got - row[col]).abs() <= 0.05 + 1e-9,
-                    "{code} column {col}: {got:.3} GB vs {}",
-                    row[col]
-                );
+                assert!((got - row[col]).abs() <= 0.05 + 1e-9, "{code} column {col}: {got:.3} GB vs {}", row[col]);
             }
         }
         // The headline cell exactly: IIG, 65B, full: 2Ψ/8 + 2Ψ/8 + 12Ψ/64 = 44.825e9 bytes.
         let report = estimate(&request(params(PSI_65B), None, cluster(64))).unwrap();
         let m = &find(&report, "IIG").memory;
-        assert_eq!(
-            (m.params, m.grads, m.optimizer_states),
-            (16_300_000_000, 16_300_000_000, 12_225_000_000)
-        );
+        assert_eq!((m.params, m.grads, m.optimizer_states), (16_300_000_000, 16_300_000_000, 12_225_000_000));
         assert_eq!(m.model_states, 44_825_000_000);
     }
 
     #[test]
     fn memory_breakdown_with_padding_and_transients() {
         // n = 4, m = 2: block 0 has 6 trainable (padded 8) and 4 frozen (4); block 1 has 7 frozen (padded 8).
-        let mut req = request(
-            blocks(&[(10, 6), (7, 0)]),
-            None,
-            Cluster {
-                world: 4,
-                group_size: 2,
-                ..cluster(4)
-            },
-        );
+        let mut req = request(blocks(&[(10, 6), (7, 0)]), None, Cluster { world: 4, group_size: 2, ..cluster(4) });
         req.strategies = Some(vec!["IIG".into(), "NNN".into(), "GGG".into()]);
         let report = estimate(&req).unwrap();
         let iig = &find(&report, "IIG").memory;
-        assert_eq!(
-            (iig.params, iig.grads, iig.optimizer_states),
-            (20 / 2 * 2, 8 / 2 * 2, 8 / 4 * 12)
-        );
-        assert_eq!(
-            iig.gathered_params,
-            (12 + 8) * 2,
-            "the two largest blocks, gathered"
-        );
-        assert_eq!(
-            iig.unsharded_grads,
-            8 * 2,
-            "the full gradient of the largest trainable buffer"
-        );
+        assert_eq!((iig.params, iig.grads, iig.optimizer_states), (20 / 2 * 2, 8 / 2 * 2, 8 / 4 * 12));
+        assert_eq!(iig.gathered_params, (12 + 8) * 2, "the two largest blocks, gathered");
+        assert_eq!(iig.unsharded_grads, 8 * 2, "the full gradient of the largest trainable buffer");
         assert_eq!(iig.fp32_grads, 4 * 8 / 4);
         assert_eq!(iig.activations, 0);
         assert_eq!(iig.total, 20 + 8 + 24 + 40 + 16 + 8);
         let nnn = &find(&report, "NNN").memory;
-        assert_eq!(
-            (nnn.gathered_params, nnn.unsharded_grads, nnn.fp32_grads),
-            (0, 0, 32)
-        );
+        assert_eq!((nnn.gathered_params, nnn.unsharded_grads, nnn.fp32_grads), (0, 0, 32));
         assert_eq!(nnn.model_states, 20 * 2 + 8 * 2 + 8 * 12);
         // prefetch 1 holds one block; 4-byte gradients need no fp32 copy.
         req.training.prefetch = 1;
         req.training.grad_bytes = 4;
         let report = estimate(&req).unwrap();
         let ggg = &find(&report, "GGG").memory;
-        assert_eq!(
-            (ggg.gathered_params, ggg.unsharded_grads, ggg.fp32_grads),
-            (12 * 2, 8 * 4, 0)
-        );
+        assert_eq!((ggg.gathered_params, ggg.unsharded_grads, ggg.fp32_grads), (12 * 2, 8 * 4, 0));
     }
 
     #[test]
@@ -1291,40 +1046,14 @@ mod tests {
         let rows: Vec<(Phase, Op, Level, u64, u64, u64, u64)> = iig
             .collectives
             .iter()
-            .map(|c| {
-                (
-                    c.phase,
-                    c.op,
-                    c.level,
-                    c.count,
-                    c.payload_bytes,
-                    c.intra_bytes,
-                    c.inter_bytes,
-                )
-            })
+            .map(|c| (c.phase, c.op, c.level, c.count, c.payload_bytes, c.intra_bytes, c.inter_bytes))
             .collect();
         assert_eq!(
             rows,
             vec![
                 // buffers of 16, 8 and 16 bytes, gathered twice per micro-step: (m−1)/m of each.
-                (
-                    Phase::ParamGather,
-                    Op::AllGather,
-                    Level::Intra,
-                    18,
-                    6 * 40,
-                    6 * 20,
-                    0
-                ),
-                (
-                    Phase::GradReduce,
-                    Op::ReduceScatter,
-                    Level::Intra,
-                    3,
-                    3 * 16,
-                    3 * 8,
-                    0
-                ),
+                (Phase::ParamGather, Op::AllGather, Level::Intra, 18, 6 * 40, 6 * 20, 0),
+                (Phase::GradReduce, Op::ReduceScatter, Level::Intra, 3, 3 * 16, 3 * 8, 0),
                 // the 1/m slice (8 bytes) among g = 2 ranks: (g−1)/g of it.
                 (Phase::SyncGrad, Op::ReduceScatter, Level::Inter, 1, 8, 0, 4),
                 (Phase::SyncParam, Op::AllGather, Level::Inter, 1, 8, 0, 4),
@@ -1344,62 +1073,22 @@ mod tests {
         use Phase::{GradReduce as GR, ParamGather as PG, SyncGrad as SG, SyncParam as SP};
         let expected: [(&str, Vec<Kind>); 14] = [
             ("NNN", vec![(SG, AR, Global)]),
-            (
-                "NNI",
-                vec![(SG, RS, Intra), (SG, AR, Inter), (SP, AG, Intra)],
-            ),
+            ("NNI", vec![(SG, RS, Intra), (SG, AR, Inter), (SP, AG, Intra)]),
             ("NNG", vec![(SG, RS, Global), (SP, AG, Global)]),
-            (
-                "NII",
-                vec![(GR, RS, Intra), (SG, AR, Inter), (SP, AG, Intra)],
-            ),
-            (
-                "NIG",
-                vec![(GR, RS, Intra), (SG, RS, Inter), (SP, AG, Global)],
-            ),
+            ("NII", vec![(GR, RS, Intra), (SG, AR, Inter), (SP, AG, Intra)]),
+            ("NIG", vec![(GR, RS, Intra), (SG, RS, Inter), (SP, AG, Global)]),
             ("NGG", vec![(GR, RS, Global), (SP, AG, Global)]),
-            (
-                "INI",
-                vec![(PG, AG, Intra), (SG, RS, Intra), (SG, AR, Inter)],
-            ),
-            (
-                "ING",
-                vec![(PG, AG, Intra), (SG, RS, Global), (SP, AG, Inter)],
-            ),
-            (
-                "III",
-                vec![(PG, AG, Intra), (GR, RS, Intra), (SG, AR, Inter)],
-            ),
-            (
-                "IIG",
-                vec![
-                    (PG, AG, Intra),
-                    (GR, RS, Intra),
-                    (SG, RS, Inter),
-                    (SP, AG, Inter),
-                ],
-            ),
-            (
-                "IGG",
-                vec![(PG, AG, Intra), (GR, RS, Global), (SP, AG, Inter)],
-            ),
+            ("INI", vec![(PG, AG, Intra), (SG, RS, Intra), (SG, AR, Inter)]),
+            ("ING", vec![(PG, AG, Intra), (SG, RS, Global), (SP, AG, Inter)]),
+            ("III", vec![(PG, AG, Intra), (GR, RS, Intra), (SG, AR, Inter)]),
+            ("IIG", vec![(PG, AG, Intra), (GR, RS, Intra), (SG, RS, Inter), (SP, AG, Inter)]),
+            ("IGG", vec![(PG, AG, Intra), (GR, RS, Global), (SP, AG, Inter)]),
             ("GNG", vec![(PG, AG, Global), (SG, RS, Global)]),
-            (
-                "GIG",
-                vec![(PG, AG, Global), (GR, RS, Intra), (SG, RS, Inter)],
-            ),
+            ("GIG", vec![(PG, AG, Global), (GR, RS, Intra), (SG, RS, Inter)]),
             ("GGG", vec![(PG, AG, Global), (GR, RS, Global)]),
         ];
-        let report = estimate(&request(
-            params(1 << 20),
-            None,
-            Cluster {
-                world: 16,
-                group_size: 4,
-                ..cluster(16)
-            },
-        ))
-        .unwrap();
+        let report =
+            estimate(&request(params(1 << 20), None, Cluster { world: 16, group_size: 4, ..cluster(16) })).unwrap();
         for (code, kinds_expected) in &expected {
             let e = find(&report, code);
             assert_eq!(&kinds(e), kinds_expected, "{code}");
@@ -1424,10 +1113,7 @@ mod tests {
         assert_eq!(iig.inter_bytes, 2 * (7 * (x / 8) / 8));
         // Hierarchical global all-reduce (DDP): intra 2(m−1)/m·X, inter 2(g−1)/g·X/m.
         let nnn = find(&report, "NNN");
-        assert_eq!(
-            (nnn.intra_bytes, nnn.inter_bytes),
-            (2 * 7 * x / 8, 2 * 7 * (x / 8) / 8)
-        );
+        assert_eq!((nnn.intra_bytes, nnn.inter_bytes), (2 * 7 * x / 8, 2 * 7 * (x / 8) / 8));
         // ZeRO-3: per micro-step two global all-gathers of params and one global reduce-scatter of grads.
         let ggg = find(&report, "GGG");
         let global = 7 * x / 8 + 7 * (x / 8) / 8;
@@ -1444,36 +1130,16 @@ mod tests {
         let expected = 2.0 * 63.0 * 2e-5 + ring as f64 / 12.5e9;
         assert!((nnn.time_s - expected).abs() < 1e-9 * expected);
         // Intra- and inter-level collectives are the same in both algorithms.
-        assert_eq!(
-            find(&flat, "III").collectives,
-            find(&report, "III").collectives
-        );
+        assert_eq!(find(&flat, "III").collectives, find(&report, "III").collectives);
     }
 
     #[test]
     fn hierarchical_time_ignores_os_for_fixed_p_and_g_but_flat_does_not() {
-        let mut req = request(
-            preset("llama-7b"),
-            Some(Trainable::Fraction(1.0 / 16.0)),
-            cluster(32),
-        );
+        let mut req = request(preset("llama-7b"), Some(Trainable::Fraction(1.0 / 16.0)), cluster(32));
         let report = estimate(&req).unwrap();
-        for (a, b) in [
-            ("NII", "NIG"),
-            ("III", "IIG"),
-            ("INI", "ING"),
-            ("NNN", "NNI"),
-            ("NNI", "NNG"),
-        ] {
-            assert_eq!(
-                find(&report, a).time_s,
-                find(&report, b).time_s,
-                "{a} vs {b}"
-            );
-            assert!(
-                find(&report, a).memory.total > find(&report, b).memory.total,
-                "{a} vs {b}"
-            );
+        for (a, b) in [("NII", "NIG"), ("III", "IIG"), ("INI", "ING"), ("NNN", "NNI"), ("NNI", "NNG")] {
+            assert_eq!(find(&report, a).time_s, find(&report, b).time_s, "{a} vs {b}");
+            assert!(find(&report, a).memory.total > find(&report, b).memory.total, "{a} vs {b}");
         }
         req.collectives = CollectiveAlgorithm::Flat;
         let flat = estimate(&req).unwrap();
@@ -1484,20 +1150,11 @@ mod tests {
     /// Scenario settings: m = 8, 80 GB per rank, A = 4, B' = 150 GB/s and B = 12.5 GB/s (100 Gbit/s) per rank,
     /// α' = 5 µs, α = 20 µs, bf16 + Adam, activation checkpointing, prefetch 2; each scenario is run with the
     /// authors' example settings (micro-batch 2, sequence 128) and with micro-batch 1, sequence 2048.
-    fn scenario(
-        model: &str,
-        world: usize,
-        fraction: f64,
-        algorithm: CollectiveAlgorithm,
-    ) -> Vec<Report> {
+    fn scenario(model: &str, world: usize, fraction: f64, algorithm: CollectiveAlgorithm) -> Vec<Report> {
         [(2, 128), (1, 2048)]
             .iter()
             .map(|&(micro_batch, seq_len)| {
-                let mut req = request(
-                    preset(model),
-                    Some(Trainable::Fraction(fraction)),
-                    cluster(world),
-                );
+                let mut req = request(preset(model), Some(Trainable::Fraction(fraction)), cluster(world));
                 req.training.micro_batch = micro_batch;
                 req.training.seq_len = seq_len;
                 req.collectives = algorithm;
@@ -1507,55 +1164,29 @@ mod tests {
     }
 
     fn chosen(report: &Report) -> &str {
-        report
-            .choice
-            .as_ref()
-            .map(|c| c.code.as_str())
-            .unwrap_or("none")
+        report.choice.as_ref().map(|c| c.code.as_str()).unwrap_or("none")
     }
 
     #[test]
     fn scenario_65b_full_training_picks_iig() {
         for report in scenario("llama-65b", 64, 1.0, CollectiveAlgorithm::Hierarchical) {
             assert_eq!(chosen(&report), "IIG", "{}", report.reason);
-            assert!(
-                !find(&report, "III").fits,
-                "MiCS needs ~130 GB of model states"
-            );
-            assert!(
-                report.reason.starts_with("IIG: fastest of the 4 of 14"),
-                "{}",
-                report.reason
-            );
+            assert!(!find(&report, "III").fits, "MiCS needs ~130 GB of model states");
+            assert!(report.reason.starts_with("IIG: fastest of the 4 of 14"), "{}", report.reason);
         }
     }
 
     #[test]
     fn scenario_65b_partial_training_picks_iig() {
-        for report in scenario(
-            "llama-65b",
-            64,
-            1.0 / 16.0,
-            CollectiveAlgorithm::Hierarchical,
-        ) {
+        for report in scenario("llama-65b", 64, 1.0 / 16.0, CollectiveAlgorithm::Hierarchical) {
             assert_eq!(chosen(&report), "IIG", "{}", report.reason);
             // IIG and MiCS are equally fast; ING defers all gradient traffic to the boundary and is 2.3% faster,
             // but needs 7 GB more per rank (its gradients are not sharded).
-            let (iig, iii, ing) = (
-                find(&report, "IIG"),
-                find(&report, "III"),
-                find(&report, "ING"),
-            );
+            let (iig, iii, ing) = (find(&report, "IIG"), find(&report, "III"), find(&report, "ING"));
             assert_eq!(iig.time_s, iii.time_s);
             assert!(ing.time_s < iig.time_s && ing.time_s > iig.time_s * 0.95);
             assert!(ing.memory.total > iig.memory.total + 4_000_000_000);
-            assert!(
-                report
-                    .reason
-                    .contains("III is as fast but needs 7.1 GB more"),
-                "{}",
-                report.reason
-            );
+            assert!(report.reason.contains("III is as fast but needs 7.1 GB more"), "{}", report.reason);
             assert!(find(&report, "IGG").time_s > iig.time_s * 1.02);
         }
     }
@@ -1568,11 +1199,7 @@ mod tests {
             for code in ["IIG", "III", "IGG", "GGG"] {
                 assert!(find(&report, code).time_s > ing.time_s, "{code}");
             }
-            assert!(
-                report.reason.contains("INI is as fast but needs"),
-                "{}",
-                report.reason
-            );
+            assert!(report.reason.contains("INI is as fast but needs"), "{}", report.reason);
         }
     }
 
@@ -1580,13 +1207,7 @@ mod tests {
     fn scenario_7b_partial_flat_ranks_nii_nig_ngg() {
         for report in scenario("llama-7b", 32, 1.0 / 16.0, CollectiveAlgorithm::Flat) {
             let t = |code| find(&report, code).time_s;
-            assert!(
-                t("NII") < t("NIG") && t("NIG") < t("NGG"),
-                "{} {} {}",
-                t("NII"),
-                t("NIG"),
-                t("NGG")
-            );
+            assert!(t("NII") < t("NIG") && t("NIG") < t("NGG"), "{} {} {}", t("NII"), t("NIG"), t("NGG"));
             assert!(["NII", "NIG", "NGG"].iter().all(|c| find(&report, c).fits));
         }
     }
@@ -1598,9 +1219,7 @@ mod tests {
         let report = estimate(&req).unwrap();
         assert!(report.choice.is_none());
         assert!(
-            report
-                .reason
-                .starts_with("no strategy fits in 10.0 GB per rank: the smallest, GGG, needs"),
+            report.reason.starts_with("no strategy fits in 10.0 GB per rank: the smallest, GGG, needs"),
             "{}",
             report.reason
         );
@@ -1613,22 +1232,11 @@ mod tests {
         req.cluster.memory_bytes = 21_000_000_000;
         let report = estimate(&req).unwrap();
         assert_eq!(chosen(&report), "GGG");
-        assert!(
-            report.reason.contains("the only one of the 14"),
-            "{}",
-            report.reason
-        );
+        assert!(report.reason.contains("the only one of the 14"), "{}", report.reason);
         // Hierarchical collectives: NII and NIG are equal in time, and NIG (finer os) is lighter.
-        let mut req = request(
-            params(PSI_7B),
-            Some(Trainable::Fraction(1.0 / 16.0)),
-            cluster(32),
-        );
+        let mut req = request(params(PSI_7B), Some(Trainable::Fraction(1.0 / 16.0)), cluster(32));
         req.strategies = Some(vec!["NII".into(), "NIG".into()]);
-        req.selection = Selection {
-            time_tolerance: 0.0,
-            memory_tolerance: 0.0,
-        };
+        req.selection = Selection { time_tolerance: 0.0, memory_tolerance: 0.0 };
         let report = estimate(&req).unwrap();
         assert_eq!(chosen(&report), "NIG");
     }
@@ -1643,15 +1251,9 @@ mod tests {
         assert_eq!(find(&report, "GGG").known_as.as_deref(), Some("zero3"));
         assert_eq!(find(&report, "IIG").known_as, None);
         req.strategies = Some(vec!["INN".into()]);
-        assert!(matches!(
-            estimate(&req),
-            Err(ParoError::EliminatedStrategy { .. })
-        ));
+        assert!(matches!(estimate(&req), Err(ParoError::EliminatedStrategy { .. })));
         req.strategies = Some(vec!["zero4".into()]);
-        assert!(matches!(
-            estimate(&req),
-            Err(ParoError::UnknownStrategy(..))
-        ));
+        assert!(matches!(estimate(&req), Err(ParoError::UnknownStrategy(..))));
         req.strategies = Some(vec![]);
         assert!(estimate(&req).is_err());
     }
@@ -1660,76 +1262,27 @@ mod tests {
     fn a_bare_count_has_no_block_buffers_unless_split() {
         let report = estimate(&request(params(PSI_7B), None, cluster(32))).unwrap();
         assert_eq!(find(&report, "GGG").memory.gathered_params, 0);
-        assert!(report
-            .notes
-            .iter()
-            .any(|n| n.contains("block sizes are unknown")));
-        assert!(report
-            .notes
-            .iter()
-            .any(|n| n.contains("activations are not counted")));
-        let split = ModelSpec {
-            params: Some(PSI_7B),
-            num_blocks: Some(32),
-            ..ModelSpec::default()
-        };
+        assert!(report.notes.iter().any(|n| n.contains("block sizes are unknown")));
+        assert!(report.notes.iter().any(|n| n.contains("activations are not counted")));
+        let split = ModelSpec { params: Some(PSI_7B), num_blocks: Some(32), ..ModelSpec::default() };
         let report = estimate(&request(split, None, cluster(32))).unwrap();
         let ggg = find(&report, "GGG");
-        assert_eq!(
-            ggg.memory.gathered_params,
-            2 * 2 * padded_numel(PSI_7B.div_ceil(32), 32).unwrap()
-        );
+        assert_eq!(ggg.memory.gathered_params, 2 * 2 * padded_numel(PSI_7B.div_ceil(32), 32).unwrap());
         assert_eq!(ggg.collectives[0].count, 32 * 2 * 4);
     }
 
     #[test]
     fn degenerate_topologies_have_no_empty_collectives() {
         // One rank: nothing to communicate.
-        let report = estimate(&request(
-            params(1000),
-            None,
-            Cluster {
-                world: 1,
-                group_size: 1,
-                ..cluster(1)
-            },
-        ))
-        .unwrap();
-        assert!(report
-            .strategies
-            .iter()
-            .all(|s| s.collectives.is_empty() && s.time_s == 0.0));
+        let report = estimate(&request(params(1000), None, Cluster { world: 1, group_size: 1, ..cluster(1) })).unwrap();
+        assert!(report.strategies.iter().all(|s| s.collectives.is_empty() && s.time_s == 0.0));
         // One group: no inter traffic; one rank per group: no intra traffic.
-        let report = estimate(&request(
-            params(1000),
-            None,
-            Cluster {
-                world: 8,
-                group_size: 8,
-                ..cluster(8)
-            },
-        ))
-        .unwrap();
+        let report = estimate(&request(params(1000), None, Cluster { world: 8, group_size: 8, ..cluster(8) })).unwrap();
         assert!(report.strategies.iter().all(|s| s.inter_bytes == 0));
-        let report = estimate(&request(
-            params(1000),
-            None,
-            Cluster {
-                world: 8,
-                group_size: 1,
-                ..cluster(8)
-            },
-        ))
-        .unwrap();
+        let report = estimate(&request(params(1000), None, Cluster { world: 8, group_size: 1, ..cluster(8) })).unwrap();
         assert!(report.strategies.iter().all(|s| s.intra_bytes == 0));
         for s in &report.strategies {
-            assert!(
-                s.collectives
-                    .iter()
-                    .all(|c| c.count > 0 && c.intra_bytes + c.inter_bytes > 0),
-                "{}",
-                s.code
-            );
+            assert!(s.collectives.iter().all(|c| c.count > 0 && c.intra_bytes + c.inter_bytes > 0), "{}", s.code);
         }
     }
 
@@ -1741,10 +1294,7 @@ mod tests {
         let report = estimate(&req).unwrap();
         let shape = LlamaShape::preset("llama-7b").unwrap();
         let act = shape.activation_bytes(2, 2048, true).unwrap();
-        assert!(report
-            .strategies
-            .iter()
-            .all(|s| s.memory.activations == act));
+        assert!(report.strategies.iter().all(|s| s.memory.activations == act));
         req.training.activation_checkpointing = false;
         let report = estimate(&req).unwrap();
         assert!(report.strategies[0].memory.activations > act);
@@ -1770,10 +1320,7 @@ mod tests {
         let value: serde_json::Value = serde_json::from_str(&out).unwrap();
         let first = &value["strategies"][9];
         assert_eq!(first["code"], "IIG");
-        assert_eq!(
-            first["strategy"],
-            serde_json::json!({"p": "I", "g": "I", "os": "G"})
-        );
+        assert_eq!(first["strategy"], serde_json::json!({"p": "I", "g": "I", "os": "G"}));
         assert_eq!(first["collectives"][0]["phase"], "param_gather");
         assert_eq!(first["collectives"][0]["op"], "all_gather");
         assert_eq!(first["collectives"][0]["level"], "intra");
@@ -1793,10 +1340,7 @@ mod tests {
         assert!(json_err(&EXAMPLE.replace("\"hierarchical\"", "\"ring\"")));
         assert!(json_err(&EXAMPLE.replace("\"world\": 64", "\"world\": -1")));
         let topo = estimate_json(&EXAMPLE.replace("\"world\": 64", "\"world\": 60")).unwrap_err();
-        assert!(
-            topo.to_string().contains("not divisible by group size 8"),
-            "{topo}"
-        );
+        assert!(topo.to_string().contains("not divisible by group size 8"), "{topo}");
         let huge = EXAMPLE.replace("\"world\": 64", "\"world\": 18446744073709551615");
         assert!(matches!(estimate_json(&huge), Err(ParoError::Topology(_))));
         for (from, to) in [

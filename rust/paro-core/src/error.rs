@@ -8,13 +8,7 @@ pub enum ParoError {
     UnknownStrategy(String, String),
     /// A syntactically fine triple that PaRO eliminates (os coarser than p or g).
     #[error("strategy {code} is not valid: optimizer states sharded at {os} are coarser than {what} sharded at {finer}, so every rank would update state it cannot use; {better} dominates it (same traffic or less, less memory)")]
-    EliminatedStrategy {
-        code: String,
-        os: &'static str,
-        what: &'static str,
-        finer: &'static str,
-        better: String,
-    },
+    EliminatedStrategy { code: String, os: &'static str, what: &'static str, finer: &'static str, better: String },
     /// World size, group size or rank do not fit together.
     #[error("{0}")]
     Topology(String),

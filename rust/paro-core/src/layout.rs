@@ -33,11 +33,7 @@ pub struct ShardLayout {
 impl ShardLayout {
     /// Lays out a buffer of `numel` elements.
     pub fn new(numel: u64, topology: Topology) -> Self {
-        ShardLayout {
-            numel,
-            padded: padded_numel(numel, topology.world),
-            topology,
-        }
+        ShardLayout { numel, padded: padded_numel(numel, topology.world), topology }
     }
 
     /// Elements per shard at a granularity (the whole padded buffer for N).
@@ -99,15 +95,11 @@ impl FlatLayout {
         let mut total: u64 = 0;
         for &n in numels {
             offsets.push(total);
-            total = total.checked_add(n).ok_or_else(|| {
-                ParoError::Invalid("flat buffer larger than 2^64 elements".into())
-            })?;
+            total = total
+                .checked_add(n)
+                .ok_or_else(|| ParoError::Invalid("flat buffer larger than 2^64 elements".into()))?;
         }
-        Ok(FlatLayout {
-            offsets,
-            numels: numels.to_vec(),
-            shards: ShardLayout::new(total, topology),
-        })
+        Ok(FlatLayout { offsets, numels: numels.to_vec(), shards: ShardLayout::new(total, topology) })
     }
 
     /// The parts of parameters that fall into `rank`'s shard at a granularity, in buffer order.
@@ -146,30 +138,12 @@ mod tests {
         assert_eq!(l.shard_range(Granularity::G, 1), 6..9);
         assert_eq!(l.g_block_index(1), 2);
         let f = FlatLayout::new(&[3, 4, 3], t).unwrap();
-        assert_eq!(
-            f.pieces(Granularity::G, 2),
-            vec![Piece {
-                param: 1,
-                param_offset: 0,
-                shard_offset: 0,
-                numel: 3
-            }]
-        );
+        assert_eq!(f.pieces(Granularity::G, 2), vec![Piece { param: 1, param_offset: 0, shard_offset: 0, numel: 3 }]);
         assert_eq!(
             f.pieces(Granularity::I, 0),
             vec![
-                Piece {
-                    param: 0,
-                    param_offset: 0,
-                    shard_offset: 0,
-                    numel: 3
-                },
-                Piece {
-                    param: 1,
-                    param_offset: 0,
-                    shard_offset: 3,
-                    numel: 3
-                }
+                Piece { param: 0, param_offset: 0, shard_offset: 0, numel: 3 },
+                Piece { param: 1, param_offset: 0, shard_offset: 3, numel: 3 }
             ]
         );
     }

@@ -107,9 +107,7 @@ impl LlamaShape {
             ("num_key_value_heads", self.kv_heads()),
         ] {
             if value == 0 {
-                return Err(ParoError::Invalid(format!(
-                    "model shape: {name} must be at least 1"
-                )));
+                return Err(ParoError::Invalid(format!("model shape: {name} must be at least 1")));
             }
         }
         if !self.hidden_size.is_multiple_of(self.num_attention_heads) {
@@ -145,39 +143,24 @@ impl LlamaShape {
             what,
         )?;
         let mlp = checked_mul(3, checked_mul(h, self.intermediate_size, what)?, what)?;
-        let layer = checked_add(
-            checked_add(attention, mlp, what)?,
-            checked_mul(2, h, what)?,
-            what,
-        )?;
-        let last = if self.tie_word_embeddings {
-            h
-        } else {
-            checked_add(h, embedding, what)?
-        };
-        let layers = usize::try_from(self.num_hidden_layers)
-            .ok()
-            .filter(|&l| l <= 1_000_000)
-            .ok_or_else(|| {
-                ParoError::Invalid(format!(
-                    "model shape: num_hidden_layers {} is too large (at most 1000000)",
-                    self.num_hidden_layers
-                ))
-            })?;
+        let layer = checked_add(checked_add(attention, mlp, what)?, checked_mul(2, h, what)?, what)?;
+        let last = if self.tie_word_embeddings { h } else { checked_add(h, embedding, what)? };
+        let layers = usize::try_from(self.num_hidden_layers).ok().filter(|&l| l <= 1_000_000).ok_or_else(|| {
+            ParoError::Invalid(format!(
+                "model shape: num_hidden_layers {} is too large (at most 1000000)",
+                self.num_hidden_layers
+            ))
+        })?;
         let mut blocks = vec![layer; layers + 2];
         blocks[0] = embedding;
         blocks[layers + 1] = last;
-        blocks
-            .iter()
-            .try_fold(0u64, |acc, &b| checked_add(acc, b, what))?;
+        blocks.iter().try_fold(0u64, |acc, &b| checked_add(acc, b, what))?;
         Ok(blocks)
     }
 
     /// Total number of parameters.
     pub fn num_params(&self) -> Result<u64> {
-        self.block_numels()?
-            .iter()
-            .try_fold(0u64, |acc, &b| checked_add(acc, b, "the parameter count"))
+        self.block_numels()?.iter().try_fold(0u64, |acc, &b| checked_add(acc, b, "the parameter count"))
     }
 
     /// Activation memory per rank in bytes (16-bit activations), after Korthikanti et al. 2022,
@@ -189,25 +172,12 @@ impl LlamaShape {
     /// 2·s·b·h·L + s·b·h·(34 + 5·a·s/h). Without it: L·s·b·h·(34 + 5·a·s/h). The formula is for a GPT layer
     /// with a 4h GeLU MLP and dropout; it is used as is for LLaMA (SwiGLU, no dropout, often flash
     /// attention), which makes it a slight over-estimate. Logits and the loss are not counted.
-    pub fn activation_bytes(
-        &self,
-        micro_batch: u64,
-        seq_len: u64,
-        checkpointing: bool,
-    ) -> Result<u64> {
+    pub fn activation_bytes(&self, micro_batch: u64, seq_len: u64, checkpointing: bool) -> Result<u64> {
         self.validate()?;
         let what = "the activation estimate";
-        let sbh = checked_mul(
-            checked_mul(seq_len, micro_batch, what)?,
-            self.hidden_size,
-            what,
-        )?;
+        let sbh = checked_mul(checked_mul(seq_len, micro_batch, what)?, self.hidden_size, what)?;
         let scores = checked_mul(
-            checked_mul(
-                checked_mul(5, self.num_attention_heads, what)?,
-                seq_len,
-                what,
-            )?,
+            checked_mul(checked_mul(5, self.num_attention_heads, what)?, seq_len, what)?,
             checked_mul(seq_len, micro_batch, what)?,
             what,
         )?;
@@ -294,23 +264,16 @@ impl ModelSpec {
         if given.len() != 1 {
             return Err(ParoError::Invalid(format!(
                 "the model must be given by exactly one of preset, shape, params or blocks (got {})",
-                if given.is_empty() {
-                    "none".to_string()
-                } else {
-                    given.join(" and ")
-                }
+                if given.is_empty() { "none".to_string() } else { given.join(" and ") }
             )));
         }
         if self.num_blocks.is_some() && self.params.is_none() {
-            return Err(ParoError::Invalid(
-                "num_blocks only applies to a bare params count".into(),
-            ));
+            return Err(ParoError::Invalid("num_blocks only applies to a bare params count".into()));
         }
         if let Some(blocks) = &self.blocks {
             if trainable.is_some() {
                 return Err(ParoError::Invalid(
-                    "the blocks already say how many parameters are trainable; drop the separate trainable"
-                        .into(),
+                    "the blocks already say how many parameters are trainable; drop the separate trainable".into(),
                 ));
             }
             return resolve_blocks(blocks);
@@ -356,16 +319,8 @@ impl ModelSpec {
             }
         };
         let shares = distribute(&numels, total_trainable)?;
-        let blocks = numels
-            .iter()
-            .zip(shares)
-            .map(|(&numel, trainable)| Block { numel, trainable })
-            .collect();
-        Ok(Model {
-            blocks,
-            shape,
-            blocks_known,
-        })
+        let blocks = numels.iter().zip(shares).map(|(&numel, trainable)| Block { numel, trainable }).collect();
+        Ok(Model { blocks, shape, blocks_known })
     }
 }
 
@@ -374,17 +329,12 @@ fn resolve_blocks(blocks: &[Block]) -> Result<Model> {
         return Err(ParoError::Invalid("blocks must not be empty".into()));
     }
     if blocks.len() as u64 > MAX_BLOCKS {
-        return Err(ParoError::Invalid(format!(
-            "{} blocks are too many (at most {MAX_BLOCKS})",
-            blocks.len()
-        )));
+        return Err(ParoError::Invalid(format!("{} blocks are too many (at most {MAX_BLOCKS})", blocks.len())));
     }
     let mut total = 0u64;
     for (i, b) in blocks.iter().enumerate() {
         if b.numel == 0 {
-            return Err(ParoError::Invalid(format!(
-                "block {i} has no parameters; drop it"
-            )));
+            return Err(ParoError::Invalid(format!("block {i} has no parameters; drop it")));
         }
         if b.trainable > b.numel {
             return Err(ParoError::Invalid(format!(
@@ -394,11 +344,7 @@ fn resolve_blocks(blocks: &[Block]) -> Result<Model> {
         }
         total = checked_add(total, b.numel, "the parameter count")?;
     }
-    Ok(Model {
-        blocks: blocks.to_vec(),
-        shape: None,
-        blocks_known: true,
-    })
+    Ok(Model { blocks: blocks.to_vec(), shape: None, blocks_known: true })
 }
 
 /// Splits `total` over parts in proportion to `weights` (largest remainder, ties to the earlier part), so
@@ -409,9 +355,7 @@ pub fn distribute(weights: &[u64], total: u64) -> Result<Vec<u64>> {
         return if total == 0 {
             Ok(vec![0; weights.len()])
         } else {
-            Err(ParoError::Invalid(format!(
-                "cannot split {total} over parts that are all empty"
-            )))
+            Err(ParoError::Invalid(format!("cannot split {total} over parts that are all empty")))
         };
     }
     let mut shares = Vec::with_capacity(weights.len());
@@ -449,18 +393,12 @@ mod tests {
             let shape = LlamaShape::preset(name).unwrap();
             assert_eq!(shape.num_params().unwrap(), params, "{name}");
         }
-        let blocks = LlamaShape::preset("LLaMA_7B")
-            .unwrap()
-            .block_numels()
-            .unwrap();
+        let blocks = LlamaShape::preset("LLaMA_7B").unwrap().block_numels().unwrap();
         assert_eq!(blocks.len(), 34);
         assert_eq!(blocks[0], 32000 * 4096);
         assert_eq!(blocks[1], 4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096);
         assert_eq!(blocks[33], 4096 + 32000 * 4096);
-        assert!(LlamaShape::preset("llama-8b")
-            .unwrap_err()
-            .to_string()
-            .contains("llama-65b"));
+        assert!(LlamaShape::preset("llama-8b").unwrap_err().to_string().contains("llama-65b"));
     }
 
     #[test]
@@ -477,19 +415,9 @@ mod tests {
         // head_dim 8, kv width 16: q,o 64·64 each, k,v 64·16 each, MLP 3·64·128, norms 2·64.
         let layer = 2 * 64 * 64 + 2 * 64 * 16 + 3 * 64 * 128 + 2 * 64;
         assert_eq!(shape.block_numels().unwrap(), vec![6400, layer, layer, 64]);
-        let bad = LlamaShape {
-            num_key_value_heads: Some(3),
-            ..shape.clone()
-        };
-        assert!(bad
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("num_key_value_heads 3"));
-        let bad = LlamaShape {
-            hidden_size: 0,
-            ..shape
-        };
+        let bad = LlamaShape { num_key_value_heads: Some(3), ..shape.clone() };
+        assert!(bad.validate().unwrap_err().to_string().contains("num_key_value_heads 3"));
+        let bad = LlamaShape { hidden_size: 0, ..shape };
         assert!(bad.block_numels().is_err());
     }
 
@@ -499,10 +427,7 @@ mod tests {
         let (s, b, h, a, l) = (2048u64, 1u64, 4096u64, 32u64, 32u64);
         let layer = s * b * h * 34 + 5 * a * s * s * b;
         assert_eq!(shape.activation_bytes(b, s, false).unwrap(), l * layer);
-        assert_eq!(
-            shape.activation_bytes(b, s, true).unwrap(),
-            2 * s * b * h * l + layer
-        );
+        assert_eq!(shape.activation_bytes(b, s, true).unwrap(), 2 * s * b * h * l + layer);
         assert!(shape.activation_bytes(u64::MAX, s, true).is_err());
     }
 
@@ -512,11 +437,7 @@ mod tests {
         assert_eq!(distribute(&[10, 30], 4).unwrap(), vec![1, 3]);
         assert_eq!(distribute(&[5, 0, 5], 0).unwrap(), vec![0, 0, 0]);
         assert_eq!(
-            distribute(&[u64::MAX, u64::MAX], u64::MAX)
-                .unwrap()
-                .iter()
-                .map(|&x| x as u128)
-                .sum::<u128>(),
+            distribute(&[u64::MAX, u64::MAX], u64::MAX).unwrap().iter().map(|&x| x as u128).sum::<u128>(),
             u64::MAX as u128
         );
         assert!(distribute(&[0, 0], 1).is_err());
@@ -530,43 +451,20 @@ mod tests {
 
     #[test]
     fn resolve_forms() {
-        let m = ModelSpec {
-            params: Some(1000),
-            ..Default::default()
-        }
-        .resolve(Some(Trainable::Fraction(0.003)))
-        .unwrap();
-        assert_eq!(
-            m.blocks,
-            vec![Block {
-                numel: 1000,
-                trainable: 3
-            }]
-        );
+        let m =
+            ModelSpec { params: Some(1000), ..Default::default() }.resolve(Some(Trainable::Fraction(0.003))).unwrap();
+        assert_eq!(m.blocks, vec![Block { numel: 1000, trainable: 3 }]);
         assert!(!m.blocks_known);
-        let m = ModelSpec {
-            params: Some(10),
-            num_blocks: Some(3),
-            ..Default::default()
-        }
-        .resolve(Some(Trainable::Count(4)))
-        .unwrap();
-        assert_eq!(
-            m.blocks.iter().map(|b| b.numel).collect::<Vec<_>>(),
-            vec![4, 3, 3]
-        );
+        let m = ModelSpec { params: Some(10), num_blocks: Some(3), ..Default::default() }
+            .resolve(Some(Trainable::Count(4)))
+            .unwrap();
+        assert_eq!(m.blocks.iter().map(|b| b.numel).collect::<Vec<_>>(), vec![4, 3, 3]);
         assert_eq!(m.num_trainable(), 4);
         assert!(m.blocks_known);
-        let m = ModelSpec {
-            preset: Some("llama-65b".into()),
-            ..Default::default()
-        }
-        .resolve(Some(Trainable::Fraction(1.0 / 16.0)))
-        .unwrap();
-        assert_eq!(
-            m.num_trainable(),
-            (m.num_params() as f64 / 16.0).round() as u64
-        );
+        let m = ModelSpec { preset: Some("llama-65b".into()), ..Default::default() }
+            .resolve(Some(Trainable::Fraction(1.0 / 16.0)))
+            .unwrap();
+        assert_eq!(m.num_trainable(), (m.num_params() as f64 / 16.0).round() as u64);
         assert!(m.shape.is_some());
     }
 
@@ -574,62 +472,21 @@ mod tests {
     fn resolve_errors() {
         let none = ModelSpec::default().resolve(None).unwrap_err().to_string();
         assert!(none.contains("exactly one"), "{none}");
-        let two = ModelSpec {
-            preset: Some("llama-7b".into()),
-            params: Some(5),
-            ..Default::default()
-        };
-        assert!(two
-            .resolve(None)
-            .unwrap_err()
-            .to_string()
-            .contains("preset and params"));
-        let p = ModelSpec {
-            params: Some(100),
-            ..Default::default()
-        };
+        let two = ModelSpec { preset: Some("llama-7b".into()), params: Some(5), ..Default::default() };
+        assert!(two.resolve(None).unwrap_err().to_string().contains("preset and params"));
+        let p = ModelSpec { params: Some(100), ..Default::default() };
         assert!(p.resolve(Some(Trainable::Fraction(1.5))).is_err());
         assert!(p.resolve(Some(Trainable::Fraction(f64::NAN))).is_err());
         assert!(p.resolve(Some(Trainable::Count(101))).is_err());
-        let zero = ModelSpec {
-            params: Some(0),
-            ..Default::default()
-        };
+        let zero = ModelSpec { params: Some(0), ..Default::default() };
         assert!(zero.resolve(None).is_err());
-        let blocks = |b: Vec<Block>| ModelSpec {
-            blocks: Some(b),
-            ..Default::default()
-        };
+        let blocks = |b: Vec<Block>| ModelSpec { blocks: Some(b), ..Default::default() };
         assert!(blocks(vec![]).resolve(None).is_err());
-        assert!(blocks(vec![Block {
-            numel: 0,
-            trainable: 0
-        }])
-        .resolve(None)
-        .is_err());
-        assert!(blocks(vec![Block {
-            numel: 2,
-            trainable: 3
-        }])
-        .resolve(None)
-        .is_err());
-        assert!(blocks(vec![Block {
-            numel: 2,
-            trainable: 1
-        }])
-        .resolve(Some(Trainable::Count(1)))
-        .is_err());
-        assert!(blocks(vec![
-            Block {
-                numel: u64::MAX,
-                trainable: 0
-            },
-            Block {
-                numel: 1,
-                trainable: 0
-            }
-        ])
-        .resolve(None)
-        .is_err());
+        assert!(blocks(vec![Block { numel: 0, trainable: 0 }]).resolve(None).is_err());
+        assert!(blocks(vec![Block { numel: 2, trainable: 3 }]).resolve(None).is_err());
+        assert!(blocks(vec![Block { numel: 2, trainable: 1 }]).resolve(Some(Trainable::Count(1))).is_err());
+        assert!(blocks(vec![Block { numel: u64::MAX, trainable: 0 }, Block { numel: 1, trainable: 0 }])
+            .resolve(None)
+            .is_err());
     }
 }

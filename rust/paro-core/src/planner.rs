@@ -55,22 +55,12 @@ pub struct Region {
 impl Region {
     /// A contiguous run of `numel` elements.
     pub fn flat(buf: Buf, offset: u64, numel: u64) -> Self {
-        Region {
-            buf,
-            offset,
-            dims: [1, 1, numel],
-            strides: [numel, numel, 1],
-        }
+        Region { buf, offset, dims: [1, 1, numel], strides: [numel, numel, 1] }
     }
 
     /// A contiguous `[a, b]` matrix (as `[a, 1, b]`).
     pub fn rows(buf: Buf, offset: u64, a: u64, b: u64) -> Self {
-        Region {
-            buf,
-            offset,
-            dims: [a, 1, b],
-            strides: [b, b, 1],
-        }
+        Region { buf, offset, dims: [a, 1, b], strides: [b, b, 1] }
     }
 
     /// Number of elements.
@@ -84,12 +74,7 @@ impl Region {
         for a in 0..self.dims[0] {
             for b in 0..self.dims[1] {
                 for c in 0..self.dims[2] {
-                    out.push(
-                        self.offset
-                            + a * self.strides[0]
-                            + b * self.strides[1]
-                            + c * self.strides[2],
-                    );
+                    out.push(self.offset + a * self.strides[0] + b * self.strides[1] + c * self.strides[2]);
                 }
             }
         }
@@ -172,10 +157,7 @@ pub struct ChunkPolicy {
 
 impl Default for ChunkPolicy {
     fn default() -> Self {
-        ChunkPolicy {
-            chunk_bytes: 1 << 20,
-            max_chunks: 8,
-        }
+        ChunkPolicy { chunk_bytes: 1 << 20, max_chunks: 8 }
     }
 }
 
@@ -217,11 +199,7 @@ impl Plan {
 
     /// Bytes this rank sends at a level.
     pub fn bytes_at(&self, level: Level) -> u64 {
-        self.steps
-            .iter()
-            .filter(|s| s.kind.communicates() && s.level == level)
-            .map(|s| s.bytes)
-            .sum()
+        self.steps.iter().filter(|s| s.kind.communicates() && s.level == level).map(|s| s.bytes).sum()
     }
 }
 
@@ -232,9 +210,7 @@ fn split_chunks(numel: u64, elem_size: u64, policy: ChunkPolicy) -> Vec<(u64, u6
     }
     let bytes = numel.saturating_mul(elem_size.max(1));
     let wanted = bytes.div_ceil(policy.chunk_bytes.max(1));
-    let count = wanted
-        .clamp(1, u64::from(policy.max_chunks.max(1)))
-        .min(numel);
+    let count = wanted.clamp(1, u64::from(policy.max_chunks.max(1))).min(numel);
     let base = numel / count;
     let extra = numel % count;
     let mut out = Vec::with_capacity(count as usize);
@@ -263,15 +239,7 @@ struct Builder {
 
 impl Builder {
     fn local(&mut self, stage: u32, kind: Kind, src: Region, dst: Region) {
-        self.steps.push(Step {
-            stage,
-            kind,
-            level: Level::Flat,
-            src,
-            dst,
-            root: 0,
-            bytes: 0,
-        });
+        self.steps.push(Step { stage, kind, level: Level::Flat, src, dst, root: 0, bytes: 0 });
     }
 
     /// An all-gather among `size` ranks at `level`, or a copy when the level has one rank.
@@ -280,15 +248,7 @@ impl Builder {
             return self.local(stage, Kind::Copy, src, dst);
         }
         let bytes = (size - 1) * src.numel() * self.elem;
-        self.steps.push(Step {
-            stage,
-            kind: Kind::AllGather,
-            level,
-            src,
-            dst,
-            root: 0,
-            bytes,
-        });
+        self.steps.push(Step { stage, kind: Kind::AllGather, level, src, dst, root: 0, bytes });
     }
 
     /// An all-to-all among `size` ranks at `level`, or a copy when the level has one rank.
@@ -297,15 +257,7 @@ impl Builder {
             return self.local(stage, Kind::Copy, src, dst);
         }
         let bytes = (size - 1) * (src.numel() / size) * self.elem;
-        self.steps.push(Step {
-            stage,
-            kind: Kind::AllToAll,
-            level,
-            src,
-            dst,
-            root: 0,
-            bytes,
-        });
+        self.steps.push(Step { stage, kind: Kind::AllToAll, level, src, dst, root: 0, bytes });
     }
 
     /// A rooted step (broadcast or reduce); nominal bytes: the root sends the buffer to each other rank
@@ -321,15 +273,7 @@ impl Builder {
             (Kind::Reduce, false) => n,
             _ => 0,
         };
-        self.steps.push(Step {
-            stage,
-            kind,
-            level,
-            src: region,
-            dst: region,
-            root: root as u32,
-            bytes,
-        });
+        self.steps.push(Step { stage, kind, level, src: region, dst: region, root: root as u32, bytes });
     }
 }
 
@@ -354,17 +298,10 @@ pub fn plan(req: &Request) -> Result<Plan> {
     };
     topo.check_rank(req.rank)?;
     if req.root >= req.world {
-        return Err(ParoError::Invalid(format!(
-            "root rank {} is out of range for {} ranks",
-            req.root, req.world
-        )));
+        return Err(ParoError::Invalid(format!("root rank {} is out of range for {} ranks", req.root, req.world)));
     }
     let flat = req.topology.is_none();
-    let (intra, inter) = if flat {
-        (Level::Flat, Level::Flat)
-    } else {
-        (Level::Intra, Level::Inter)
-    };
+    let (intra, inter) = if flat { (Level::Flat, Level::Flat) } else { (Level::Intra, Level::Inter) };
     let g = topo.num_groups() as u64;
     let m = topo.group_size as u64;
     let k = topo.group_of(req.rank) as u64;
@@ -373,18 +310,8 @@ pub fn plan(req: &Request) -> Result<Plan> {
     let e = req.elem_size;
     let big_n = req.numel;
     // One level only (flat, intra-only or inter-only): no overlap to gain from chunking.
-    let policy = if g == 1 || m == 1 {
-        ChunkPolicy {
-            max_chunks: 1,
-            ..req.chunks
-        }
-    } else {
-        req.chunks
-    };
-    let mut b = Builder {
-        steps: Vec::new(),
-        elem: e,
-    };
+    let policy = if g == 1 || m == 1 { ChunkPolicy { max_chunks: 1, ..req.chunks } } else { req.chunks };
+    let mut b = Builder { steps: Vec::new(), elem: e };
     let t = |i: u8| Buf::Tmp(i);
     let tmp: Vec<u64> = match req.collective {
         Collective::Barrier => {
@@ -405,13 +332,7 @@ pub fn plan(req: &Request) -> Result<Plan> {
             // g blocks, then a local transpose into rank order k'·m + r'.
             for (c, (off, len)) in split_chunks(big_n, e, policy).into_iter().enumerate() {
                 let stage = c as u32;
-                b.all_gather(
-                    stage,
-                    inter,
-                    g,
-                    Region::flat(Buf::Input, off, len),
-                    Region::flat(t(0), g * off, g * len),
-                );
+                b.all_gather(stage, inter, g, Region::flat(Buf::Input, off, len), Region::flat(t(0), g * off, g * len));
                 b.all_gather(
                     stage + 1,
                     intra,
@@ -419,18 +340,8 @@ pub fn plan(req: &Request) -> Result<Plan> {
                     Region::flat(t(0), g * off, g * len),
                     Region::flat(t(1), n * off, n * len),
                 );
-                let src = Region {
-                    buf: t(1),
-                    offset: n * off,
-                    dims: [g, m, len],
-                    strides: [len, g * len, 1],
-                };
-                let dst = Region {
-                    buf: Buf::Output,
-                    offset: off,
-                    dims: [g, m, len],
-                    strides: [m * big_n, big_n, 1],
-                };
+                let src = Region { buf: t(1), offset: n * off, dims: [g, m, len], strides: [len, g * len, 1] };
+                let dst = Region { buf: Buf::Output, offset: off, dims: [g, m, len], strides: [m * big_n, big_n, 1] };
                 b.local(stage + 2, Kind::Copy, src, dst);
             }
             vec![g * big_n, n * big_n]
@@ -440,18 +351,8 @@ pub fn plan(req: &Request) -> Result<Plan> {
             // reduction; inter all-to-all of the g partial blocks + local reduction.
             for (c, (off, len)) in split_chunks(big_n, e, policy).into_iter().enumerate() {
                 let stage = c as u32;
-                let src = Region {
-                    buf: Buf::Input,
-                    offset: off,
-                    dims: [m, g, len],
-                    strides: [big_n, m * big_n, 1],
-                };
-                let packed = Region {
-                    buf: t(0),
-                    offset: n * off,
-                    dims: [m, g, len],
-                    strides: [g * len, len, 1],
-                };
+                let src = Region { buf: Buf::Input, offset: off, dims: [m, g, len], strides: [big_n, m * big_n, 1] };
+                let packed = Region { buf: t(0), offset: n * off, dims: [m, g, len], strides: [g * len, len, 1] };
                 b.local(stage, Kind::Copy, src, packed);
                 b.all_to_all(
                     stage,
@@ -492,126 +393,35 @@ pub fn plan(req: &Request) -> Result<Plan> {
                 let q = plen / m;
                 let s = plen / n;
                 let (qoff, soff) = (poff / m, poff / n);
-                b.local(
-                    stage,
-                    Kind::Copy,
-                    Region::flat(Buf::Input, off, len),
-                    Region::flat(t(0), poff, len),
-                );
-                b.all_to_all(
-                    stage,
-                    intra,
-                    m,
-                    Region::flat(t(0), poff, plen),
-                    Region::flat(t(1), poff, plen),
-                );
-                b.local(
-                    stage + 1,
-                    Kind::Combine,
-                    Region::rows(t(1), poff, m, q),
-                    Region::flat(t(2), qoff, q),
-                );
-                b.all_to_all(
-                    stage + 1,
-                    inter,
-                    g,
-                    Region::flat(t(2), qoff, q),
-                    Region::flat(t(3), qoff, q),
-                );
-                b.local(
-                    stage + 2,
-                    Kind::Combine,
-                    Region::rows(t(3), qoff, g, s),
-                    Region::flat(t(4), soff, s),
-                );
-                b.all_gather(
-                    stage + 2,
-                    inter,
-                    g,
-                    Region::flat(t(4), soff, s),
-                    Region::flat(t(2), qoff, q),
-                );
-                b.all_gather(
-                    stage + 3,
-                    intra,
-                    m,
-                    Region::flat(t(2), qoff, q),
-                    Region::flat(t(1), poff, plen),
-                );
-                b.local(
-                    stage + 4,
-                    Kind::Copy,
-                    Region::flat(t(1), poff, len),
-                    Region::flat(Buf::Output, off, len),
-                );
+                b.local(stage, Kind::Copy, Region::flat(Buf::Input, off, len), Region::flat(t(0), poff, len));
+                b.all_to_all(stage, intra, m, Region::flat(t(0), poff, plen), Region::flat(t(1), poff, plen));
+                b.local(stage + 1, Kind::Combine, Region::rows(t(1), poff, m, q), Region::flat(t(2), qoff, q));
+                b.all_to_all(stage + 1, inter, g, Region::flat(t(2), qoff, q), Region::flat(t(3), qoff, q));
+                b.local(stage + 2, Kind::Combine, Region::rows(t(3), qoff, g, s), Region::flat(t(4), soff, s));
+                b.all_gather(stage + 2, inter, g, Region::flat(t(4), soff, s), Region::flat(t(2), qoff, q));
+                b.all_gather(stage + 3, intra, m, Region::flat(t(2), qoff, q), Region::flat(t(1), poff, plen));
+                b.local(stage + 4, Kind::Copy, Region::flat(t(1), poff, len), Region::flat(Buf::Output, off, len));
                 poff += plen;
             }
             vec![poff, poff, poff / m, poff / m, poff / n]
         }
         Collective::Broadcast | Collective::Reduce => {
-            let (kr, rr) = (
-                topo.group_of(req.root) as u64,
-                topo.local_rank(req.root) as u64,
-            );
-            let kind = if req.collective == Collective::Broadcast {
-                Kind::Broadcast
-            } else {
-                Kind::Reduce
-            };
+            let (kr, rr) = (topo.group_of(req.root) as u64, topo.local_rank(req.root) as u64);
+            let kind = if req.collective == Collective::Broadcast { Kind::Broadcast } else { Kind::Reduce };
             for (c, (off, len)) in split_chunks(big_n, e, policy).into_iter().enumerate() {
                 let region = Region::flat(Buf::Output, off, len);
                 let stage = c as u32;
                 if kind == Kind::Broadcast {
                     // root's rail first, then inside every group from the rail member
                     if r == rr {
-                        b.rooted(
-                            stage,
-                            kind,
-                            inter,
-                            Peers {
-                                size: g,
-                                me: k,
-                                root: kr,
-                            },
-                            region,
-                        );
+                        b.rooted(stage, kind, inter, Peers { size: g, me: k, root: kr }, region);
                     }
-                    b.rooted(
-                        stage + 1,
-                        kind,
-                        intra,
-                        Peers {
-                            size: m,
-                            me: r,
-                            root: rr,
-                        },
-                        region,
-                    );
+                    b.rooted(stage + 1, kind, intra, Peers { size: m, me: r, root: rr }, region);
                 } else {
                     // inside every group onto the root's local rank, then along the root's rail
-                    b.rooted(
-                        stage,
-                        kind,
-                        intra,
-                        Peers {
-                            size: m,
-                            me: r,
-                            root: rr,
-                        },
-                        region,
-                    );
+                    b.rooted(stage, kind, intra, Peers { size: m, me: r, root: rr }, region);
                     if r == rr {
-                        b.rooted(
-                            stage + 1,
-                            kind,
-                            inter,
-                            Peers {
-                                size: g,
-                                me: k,
-                                root: kr,
-                            },
-                            region,
-                        );
+                        b.rooted(stage + 1, kind, inter, Peers { size: g, me: k, root: kr }, region);
                     }
                 }
             }

@@ -91,11 +91,7 @@ impl Strategy {
         if os >= p && os >= g {
             return Ok(s);
         }
-        let (what, finer) = if p > os && p >= g {
-            ("parameters", p)
-        } else {
-            ("gradients", g)
-        };
+        let (what, finer) = if p > os && p >= g { ("parameters", p) } else { ("gradients", g) };
         let better = Strategy { p, g, os: p.max(g) };
         Err(ParoError::EliminatedStrategy {
             code: s.code(),
@@ -113,32 +109,19 @@ impl Strategy {
         if let Some((_, code)) = ALIASES.iter().find(|(a, _)| *a == lower) {
             return Strategy::parse(code);
         }
-        let body = lower
-            .strip_prefix("paro-")
-            .or_else(|| lower.strip_prefix("paro_"))
-            .unwrap_or(&lower);
-        let body = if body.len() == 4 && body.starts_with('p') {
-            &body[1..]
-        } else {
-            body
-        };
+        let body = lower.strip_prefix("paro-").or_else(|| lower.strip_prefix("paro_")).unwrap_or(&lower);
+        let body = if body.len() == 4 && body.starts_with('p') { &body[1..] } else { body };
         let letters: Vec<Granularity> = body.chars().filter_map(Granularity::from_letter).collect();
         if body.chars().count() != 3 || letters.len() != 3 {
             let aliases: Vec<String> = ALIASES.iter().map(|(a, c)| format!("{a}={c}")).collect();
-            return Err(ParoError::UnknownStrategy(
-                text.to_string(),
-                aliases.join(", "),
-            ));
+            return Err(ParoError::UnknownStrategy(text.to_string(), aliases.join(", ")));
         }
         Strategy::new(letters[0], letters[1], letters[2])
     }
 
     /// The three-letter code, e.g. "IIG".
     pub fn code(&self) -> String {
-        [self.p, self.g, self.os]
-            .iter()
-            .map(|g| g.letter())
-            .collect()
+        [self.p, self.g, self.os].iter().map(|g| g.letter()).collect()
     }
 
     /// The well-known name of this strategy, if it has one (first alias wins).
@@ -149,10 +132,7 @@ impl Strategy {
 
     /// The 14 valid strategies, in a fixed order (p, then g, then os, coarse to fine).
     pub fn all_valid() -> Vec<Strategy> {
-        Self::all_triples()
-            .into_iter()
-            .filter_map(|(p, g, os)| Strategy::new(p, g, os).ok())
-            .collect()
+        Self::all_triples().into_iter().filter_map(|(p, g, os)| Strategy::new(p, g, os).ok()).collect()
     }
 
     /// All 27 triples, valid or not.
@@ -182,10 +162,8 @@ mod tests {
     #[test]
     fn exactly_fourteen_valid() {
         let codes: Vec<String> = Strategy::all_valid().iter().map(Strategy::code).collect();
-        let expected = [
-            "NNN", "NNI", "NNG", "NII", "NIG", "NGG", "INI", "ING", "III", "IIG", "IGG", "GNG",
-            "GIG", "GGG",
-        ];
+        let expected =
+            ["NNN", "NNI", "NNG", "NII", "NIG", "NGG", "INI", "ING", "III", "IIG", "IGG", "GNG", "GIG", "GGG"];
         assert_eq!(codes, expected);
     }
 
@@ -196,10 +174,8 @@ mod tests {
             .filter(|&(p, g, os)| Strategy::new(p, g, os).is_err())
             .map(|(p, g, os)| [p, g, os].iter().map(|x| x.letter()).collect())
             .collect();
-        let mut expected = vec![
-            "NIN", "NGN", "INN", "IIN", "IGN", "GNN", "GIN", "GGN", "NGI", "IGI", "GNI", "GII",
-            "GGI",
-        ];
+        let mut expected =
+            vec!["NIN", "NGN", "INN", "IIN", "IGN", "GNN", "GIN", "GGN", "NGI", "IGI", "GNI", "GII", "GGI"];
         expected.sort();
         let mut got = bad.clone();
         got.sort();

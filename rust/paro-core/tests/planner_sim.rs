@@ -3,9 +3,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use paro_core::planner::{
-    plan, Buf, ChunkPolicy, Collective, Kind, Level, Plan, Region, Request, Step,
-};
+use paro_core::planner::{plan, Buf, ChunkPolicy, Collective, Kind, Level, Plan, Region, Request, Step};
 use paro_core::Topology;
 
 type Op = fn(i64, i64) -> i64;
@@ -39,11 +37,7 @@ impl Rank {
 }
 
 fn cells(r: &Region, inplace: bool) -> HashSet<(Buf, u64)> {
-    let b = if inplace && r.buf == Buf::Input {
-        Buf::Output
-    } else {
-        r.buf
-    };
+    let b = if inplace && r.buf == Buf::Input { Buf::Output } else { r.buf };
     r.indices().into_iter().map(|i| (b, i)).collect()
 }
 
@@ -74,14 +68,7 @@ fn simulate(
     let mut ranks: Vec<Rank> = (0..n)
         .map(|i| {
             let mut bufs = HashMap::new();
-            bufs.insert(
-                Buf::Output,
-                if inplace {
-                    inputs[i].clone()
-                } else {
-                    vec![-7; out_len]
-                },
-            );
+            bufs.insert(Buf::Output, if inplace { inputs[i].clone() } else { vec![-7; out_len] });
             bufs.insert(Buf::Input, inputs[i].clone());
             for (j, &len) in plans[i].tmp.iter().enumerate() {
                 bufs.insert(Buf::Tmp(j as u8), vec![0; len as usize]);
@@ -99,31 +86,18 @@ fn simulate(
             for s in p.steps.iter().filter(|s| s.stage == stage) {
                 let (rd, wr) = (cells(&s.src, inplace), cells(&s.dst, inplace));
                 if s.kind.communicates() {
+                    assert!(contiguous(&s.src) && contiguous(&s.dst), "comm regions must be contiguous: {s:?}");
                     assert!(
-                        contiguous(&s.src) && contiguous(&s.dst),
-                        "comm regions must be contiguous: {s:?}"
-                    );
-                    assert!(
-                        rd.is_disjoint(&pend_write)
-                            && wr.is_disjoint(&pend_write)
-                            && wr.is_disjoint(&pend_read),
+                        rd.is_disjoint(&pend_write) && wr.is_disjoint(&pend_write) && wr.is_disjoint(&pend_read),
                         "overlapping comm steps in stage {stage}: {s:?}"
                     );
                     let data = ranks[rank].read(&s.src, inplace);
                     let (lvl, id, idx) = member(t, flat, rank, s.level);
-                    queues
-                        .entry((lvl, id))
-                        .or_default()
-                        .entry(idx)
-                        .or_default()
-                        .push((*s, data));
+                    queues.entry((lvl, id)).or_default().entry(idx).or_default().push((*s, data));
                     pend_read.extend(rd);
                     pend_write.extend(wr);
                 } else {
-                    assert!(
-                        rd.is_disjoint(&pend_write),
-                        "local step reads a pending comm output: {s:?}"
-                    );
+                    assert!(rd.is_disjoint(&pend_write), "local step reads a pending comm output: {s:?}");
                     assert!(
                         wr.is_disjoint(&pend_write) && wr.is_disjoint(&pend_read),
                         "local step writes a pending comm region: {s:?}"
@@ -138,9 +112,7 @@ fn simulate(
                             let rows = s.src.dims[0] as usize;
                             let w = src.len() / rows;
                             assert_eq!(w as u64, s.dst.numel());
-                            (0..w)
-                                .map(|j| (1..rows).fold(src[j], |a, i| op(a, src[i * w + j])))
-                                .collect()
+                            (0..w).map(|j| (1..rows).fold(src[j], |a, i| op(a, src[i * w + j]))).collect()
                         }
                         _ => unreachable!(),
                     };
@@ -151,11 +123,7 @@ fn simulate(
         for ((level, id), members) in queues {
             let size = members.len();
             let counts: HashSet<usize> = members.values().map(Vec::len).collect();
-            assert_eq!(
-                counts.len(),
-                1,
-                "members of {level:?}/{id} issued different numbers of steps"
-            );
+            assert_eq!(counts.len(), 1, "members of {level:?}/{id} issued different numbers of steps");
             let global = |idx: usize| -> usize {
                 match level {
                     Level::Flat => idx,
@@ -170,14 +138,8 @@ fn simulate(
             };
             // a rooted step on a rail may involve only that rail's members
             for j in 0..*counts.iter().next().unwrap() {
-                let kind = members[&0]
-                    .get(j)
-                    .map(|x| x.0.kind)
-                    .unwrap_or(Kind::Barrier);
-                assert_eq!(
-                    size, expected_size,
-                    "{kind:?} at {level:?} needs all members"
-                );
+                let kind = members[&0].get(j).map(|x| x.0.kind).unwrap_or(Kind::Barrier);
+                assert_eq!(size, expected_size, "{kind:?} at {level:?} needs all members");
                 for x in members.values() {
                     assert_eq!(x[j].0.kind, kind, "mismatched kinds at {level:?}");
                     assert_eq!(x[j].0.src.numel(), members[&0][j].0.src.numel());
@@ -189,22 +151,14 @@ fn simulate(
                         Kind::AllGather => Some((0..size).flat_map(|i| data(i).clone()).collect()),
                         Kind::AllToAll => {
                             let p = data(0).len() / size;
-                            Some(
-                                (0..size)
-                                    .flat_map(|i| data(i)[idx * p..(idx + 1) * p].to_vec())
-                                    .collect(),
-                            )
+                            Some((0..size).flat_map(|i| data(i)[idx * p..(idx + 1) * p].to_vec()).collect())
                         }
                         Kind::AllReduce => Some(
-                            (0..data(0).len())
-                                .map(|e| (1..size).fold(data(0)[e], |a, i| op(a, data(i)[e])))
-                                .collect(),
+                            (0..data(0).len()).map(|e| (1..size).fold(data(0)[e], |a, i| op(a, data(i)[e]))).collect(),
                         ),
                         Kind::Broadcast => Some(data(step.root as usize).clone()),
                         Kind::Reduce => (idx == step.root as usize).then(|| {
-                            (0..data(0).len())
-                                .map(|e| (1..size).fold(data(0)[e], |a, i| op(a, data(i)[e])))
-                                .collect()
+                            (0..data(0).len()).map(|e| (1..size).fold(data(0)[e], |a, i| op(a, data(i)[e]))).collect()
                         }),
                         Kind::Barrier => None,
                         _ => unreachable!(),
@@ -217,37 +171,18 @@ fn simulate(
             }
         }
     }
-    ranks
-        .into_iter()
-        .map(|r| r.bufs[&Buf::Output].clone())
-        .collect()
+    ranks.into_iter().map(|r| r.bufs[&Buf::Output].clone()).collect()
 }
 
 fn policies() -> Vec<ChunkPolicy> {
     vec![
-        ChunkPolicy {
-            chunk_bytes: 1 << 30,
-            max_chunks: 8,
-        },
-        ChunkPolicy {
-            chunk_bytes: 1,
-            max_chunks: 8,
-        },
-        ChunkPolicy {
-            chunk_bytes: 8,
-            max_chunks: 3,
-        },
+        ChunkPolicy { chunk_bytes: 1 << 30, max_chunks: 8 },
+        ChunkPolicy { chunk_bytes: 1, max_chunks: 8 },
+        ChunkPolicy { chunk_bytes: 8, max_chunks: 3 },
     ]
 }
 
-fn plans_for(
-    t: Topology,
-    flat: bool,
-    c: Collective,
-    numel: u64,
-    root: usize,
-    chunks: ChunkPolicy,
-) -> Vec<Plan> {
+fn plans_for(t: Topology, flat: bool, c: Collective, numel: u64, root: usize, chunks: ChunkPolicy) -> Vec<Plan> {
     (0..t.world)
         .map(|rank| {
             plan(&Request {
@@ -289,9 +224,8 @@ fn all_gather_matches_definition() {
         for numel in SIZES {
             for pol in policies() {
                 let plans = plans_for(t, flat, Collective::AllGather, numel, 0, pol);
-                let inputs: Vec<Vec<i64>> = (0..t.world)
-                    .map(|r| (0..numel as usize).map(|i| val(r, i)).collect())
-                    .collect();
+                let inputs: Vec<Vec<i64>> =
+                    (0..t.world).map(|r| (0..numel as usize).map(|i| val(r, i)).collect()).collect();
                 let expected: Vec<i64> = inputs.concat();
                 let out = simulate(t, flat, &plans, inputs, expected.len(), false, |a, b| a + b);
                 for o in out {
@@ -310,26 +244,13 @@ fn reduce_scatter_matches_definition() {
                 let plans = plans_for(t, flat, Collective::ReduceScatter, numel, 0, pol);
                 let n = t.world;
                 let len = n * numel as usize;
-                let inputs: Vec<Vec<i64>> = (0..n)
-                    .map(|r| (0..len).map(|i| val(r, i)).collect())
-                    .collect();
-                let out = simulate(
-                    t,
-                    flat,
-                    &plans,
-                    inputs.clone(),
-                    numel as usize,
-                    false,
-                    |a, b| a + b,
-                );
+                let inputs: Vec<Vec<i64>> = (0..n).map(|r| (0..len).map(|i| val(r, i)).collect()).collect();
+                let out = simulate(t, flat, &plans, inputs.clone(), numel as usize, false, |a, b| a + b);
                 for (rank, o) in out.iter().enumerate() {
                     let exp: Vec<i64> = (0..numel as usize)
                         .map(|j| inputs.iter().map(|x| x[rank * numel as usize + j]).sum())
                         .collect();
-                    assert_eq!(
-                        o, &exp,
-                        "{t:?} flat={flat} numel={numel} {pol:?} rank {rank}"
-                    );
+                    assert_eq!(o, &exp, "{t:?} flat={flat} numel={numel} {pol:?} rank {rank}");
                 }
             }
         }
@@ -338,25 +259,17 @@ fn reduce_scatter_matches_definition() {
 
 #[test]
 fn all_reduce_matches_definition_for_sum_and_max() {
-    let ops: [(Op, Fold); 2] = [
-        (|a, b| a + b, |v| v.iter().sum()),
-        (|a, b| a.max(b), |v| *v.iter().max().unwrap()),
-    ];
+    let ops: [(Op, Fold); 2] = [(|a, b| a + b, |v| v.iter().sum()), (|a, b| a.max(b), |v| *v.iter().max().unwrap())];
     for (t, flat) in shapes() {
         for numel in SIZES {
             for pol in policies() {
                 for (op, fold) in ops {
                     let plans = plans_for(t, flat, Collective::AllReduce, numel, 0, pol);
                     let inputs: Vec<Vec<i64>> = (0..t.world)
-                        .map(|r| {
-                            (0..numel as usize)
-                                .map(|i| val(r, i) * if r % 2 == 0 { 1 } else { -1 })
-                                .collect()
-                        })
+                        .map(|r| (0..numel as usize).map(|i| val(r, i) * if r % 2 == 0 { 1 } else { -1 }).collect())
                         .collect();
-                    let exp: Vec<i64> = (0..numel as usize)
-                        .map(|j| fold(&inputs.iter().map(|x| x[j]).collect::<Vec<_>>()))
-                        .collect();
+                    let exp: Vec<i64> =
+                        (0..numel as usize).map(|j| fold(&inputs.iter().map(|x| x[j]).collect::<Vec<_>>())).collect();
                     let out = simulate(t, flat, &plans, inputs, numel as usize, true, op);
                     for o in out {
                         assert_eq!(o, exp, "{t:?} flat={flat} numel={numel} {pol:?}");
@@ -373,35 +286,16 @@ fn broadcast_and_reduce_from_every_root() {
         for numel in [0u64, 1, 5] {
             for pol in policies() {
                 for root in 0..t.world {
-                    let inputs: Vec<Vec<i64>> = (0..t.world)
-                        .map(|r| (0..numel as usize).map(|i| val(r, i)).collect())
-                        .collect();
+                    let inputs: Vec<Vec<i64>> =
+                        (0..t.world).map(|r| (0..numel as usize).map(|i| val(r, i)).collect()).collect();
                     let plans = plans_for(t, flat, Collective::Broadcast, numel, root, pol);
-                    let out = simulate(
-                        t,
-                        flat,
-                        &plans,
-                        inputs.clone(),
-                        numel as usize,
-                        true,
-                        |a, b| a + b,
-                    );
+                    let out = simulate(t, flat, &plans, inputs.clone(), numel as usize, true, |a, b| a + b);
                     for o in &out {
                         assert_eq!(o, &inputs[root], "broadcast {t:?} root {root}");
                     }
                     let plans = plans_for(t, flat, Collective::Reduce, numel, root, pol);
-                    let out = simulate(
-                        t,
-                        flat,
-                        &plans,
-                        inputs.clone(),
-                        numel as usize,
-                        true,
-                        |a, b| a + b,
-                    );
-                    let exp: Vec<i64> = (0..numel as usize)
-                        .map(|j| inputs.iter().map(|x| x[j]).sum())
-                        .collect();
+                    let out = simulate(t, flat, &plans, inputs.clone(), numel as usize, true, |a, b| a + b);
+                    let exp: Vec<i64> = (0..numel as usize).map(|j| inputs.iter().map(|x| x[j]).sum()).collect();
                     assert_eq!(out[root], exp, "reduce {t:?} root {root}");
                 }
             }
@@ -432,11 +326,7 @@ fn bytes_per_level_follow_the_ring_formulas() {
                         let s = n * numel * 4;
                         for c in [Collective::AllGather, Collective::ReduceScatter] {
                             let p = plan(&req(c)).unwrap();
-                            assert_eq!(
-                                p.bytes_at(Level::Inter) * g * m,
-                                (g - 1) * s,
-                                "{c:?} inter"
-                            );
+                            assert_eq!(p.bytes_at(Level::Inter) * g * m, (g - 1) * s, "{c:?} inter");
                             assert_eq!(p.bytes_at(Level::Intra) * m, (m - 1) * s, "{c:?} intra");
                         }
                         // all-reduce: chunks padded to multiples of n
@@ -454,10 +344,7 @@ fn bytes_per_level_follow_the_ring_formulas() {
 #[test]
 fn chunks_pipeline_the_levels() {
     let t = Topology::new(8, 4).unwrap();
-    let pol = ChunkPolicy {
-        chunk_bytes: 64,
-        max_chunks: 4,
-    };
+    let pol = ChunkPolicy { chunk_bytes: 64, max_chunks: 4 };
     let p = plan(&Request {
         collective: Collective::AllGather,
         topology: Some(t),
@@ -471,12 +358,8 @@ fn chunks_pipeline_the_levels() {
     .unwrap();
     // 4 chunks, 2 comm phases and a copy: 6 stages; stage 1 runs chunk 1's inter and chunk 0's intra phase
     assert_eq!(p.stages(), 6);
-    let mut stage1: Vec<(u64, Level)> = p
-        .steps
-        .iter()
-        .filter(|s| s.stage == 1 && s.kind.communicates())
-        .map(|s| (s.src.offset, s.level))
-        .collect();
+    let mut stage1: Vec<(u64, Level)> =
+        p.steps.iter().filter(|s| s.stage == 1 && s.kind.communicates()).map(|s| (s.src.offset, s.level)).collect();
     stage1.sort_by_key(|x| x.0);
     // chunk 1 of the input (offset 16) crosses groups while chunk 0 (gathered at offset 0) moves inside the group
     assert_eq!(stage1, vec![(0, Level::Intra), (16, Level::Inter)]);
@@ -489,10 +372,7 @@ fn chunks_pipeline_the_levels() {
         numel: 64,
         elem_size: 4,
         root: 0,
-        chunks: ChunkPolicy {
-            chunk_bytes: 64,
-            max_chunks: 1,
-        },
+        chunks: ChunkPolicy { chunk_bytes: 64, max_chunks: 1 },
     })
     .unwrap();
     assert_eq!(p.stages(), 3);
@@ -513,10 +393,5 @@ fn bad_requests_are_errors() {
     };
     assert!(plan(&Request { rank: 4, ..base }).is_err());
     assert!(plan(&Request { world: 6, ..base }).is_err());
-    assert!(plan(&Request {
-        root: 9,
-        collective: Collective::Broadcast,
-        ..base
-    })
-    .is_err());
+    assert!(plan(&Request { root: 9, collective: Collective::Broadcast, ..base }).is_err());
 }

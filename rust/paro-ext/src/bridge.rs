@@ -85,25 +85,14 @@ pub mod ffi {
     }
 
     extern "Rust" {
-        fn make_plan(
-            op: CollectiveOp,
-            shape: &Shape,
-            numel: u64,
-            elem_size: u64,
-            root: i32,
-        ) -> Result<PlanOut>;
+        fn make_plan(op: CollectiveOp, shape: &Shape, numel: u64, elem_size: u64, root: i32) -> Result<PlanOut>;
     }
 
     unsafe extern "C++" {
         include!("cpp/bridge.h");
 
         /// See cpp/bridge.h.
-        unsafe fn create_backend(
-            shape: &Shape,
-            intra: usize,
-            inter: usize,
-            flat: usize,
-        ) -> Result<usize>;
+        unsafe fn create_backend(shape: &Shape, intra: usize, inter: usize, flat: usize) -> Result<usize>;
         /// See cpp/bridge.h.
         unsafe fn backend_stats(backend: usize) -> Result<Vec<u64>>;
         /// See cpp/bridge.h.
@@ -121,24 +110,13 @@ fn region(r: &CoreRegion) -> Region {
     };
     let [d0, d1, d2] = r.dims.map(|x| x as i64);
     let [s0, s1, s2] = r.strides.map(|x| x as i64);
-    Region {
-        buf,
-        offset: r.offset as i64,
-        d0,
-        d1,
-        d2,
-        s0,
-        s1,
-        s2,
-    }
+    Region { buf, offset: r.offset as i64, d0, d1, d2, s0, s1, s2 }
 }
 
 /// Builds the topology of a shape: `None` when flat.
 pub fn topology_of(shape: &Shape) -> Result<Option<Topology>, paro_core::ParoError> {
     if shape.world <= 0 || shape.rank < 0 || shape.group_size < 0 {
-        return Err(paro_core::ParoError::Topology(format!(
-            "invalid process group shape {shape:?}"
-        )));
+        return Err(paro_core::ParoError::Topology(format!("invalid process group shape {shape:?}")));
     }
     if shape.group_size == 0 {
         return Ok(None);
@@ -147,13 +125,7 @@ pub fn topology_of(shape: &Shape) -> Result<Option<Topology>, paro_core::ParoErr
 }
 
 /// Plans one collective; reached from C++, so it returns errors and never panics.
-fn make_plan(
-    op: CollectiveOp,
-    shape: &Shape,
-    numel: u64,
-    elem_size: u64,
-    root: i32,
-) -> Result<PlanOut, String> {
+fn make_plan(op: CollectiveOp, shape: &Shape, numel: u64, elem_size: u64, root: i32) -> Result<PlanOut, String> {
     let result = std::panic::catch_unwind(|| -> Result<PlanOut, String> {
         let topology = topology_of(shape).map_err(|e| e.to_string())?;
         let collective = match op {
@@ -173,10 +145,7 @@ fn make_plan(
             numel,
             elem_size,
             root: root.max(0) as usize,
-            chunks: ChunkPolicy {
-                chunk_bytes: shape.chunk_bytes,
-                max_chunks: shape.max_chunks,
-            },
+            chunks: ChunkPolicy { chunk_bytes: shape.chunk_bytes, max_chunks: shape.max_chunks },
         };
         let plan = planner::plan(&req).map_err(|e| format!("paro: {e}"))?;
         let steps = plan
@@ -205,12 +174,7 @@ fn make_plan(
                 bytes: s.bytes,
             })
             .collect();
-        Ok(PlanOut {
-            tmp: plan.tmp.iter().map(|&x| x as i64).collect(),
-            steps,
-        })
+        Ok(PlanOut { tmp: plan.tmp.iter().map(|&x| x as i64).collect(), steps })
     });
-    result.unwrap_or_else(|_| {
-        Err("paro: internal error while planning (a bug; please report it)".into())
-    })
+    result.unwrap_or_else(|_| Err("paro: internal error while planning (a bug; please report it)".into()))
 }

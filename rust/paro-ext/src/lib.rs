@@ -8,18 +8,8 @@ use paro_core::{layout, topology, ParoError, Topology};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
-pyo3::create_exception!(
-    paro_torch,
-    InvalidStrategyError,
-    PyValueError,
-    "A strategy code or alias that PaRO rejects."
-);
-pyo3::create_exception!(
-    paro_torch,
-    TopologyError,
-    PyValueError,
-    "World size, group size or rank that do not fit."
-);
+pyo3::create_exception!(paro_torch, InvalidStrategyError, PyValueError, "A strategy code or alias that PaRO rejects.");
+pyo3::create_exception!(paro_torch, TopologyError, PyValueError, "World size, group size or rank that do not fit.");
 
 fn to_py(e: ParoError) -> PyErr {
     match e {
@@ -33,14 +23,9 @@ fn to_py(e: ParoError) -> PyErr {
 
 fn gran(text: &str) -> PyResult<Granularity> {
     let mut chars = text.chars();
-    match (
-        chars.next().and_then(Granularity::from_letter),
-        chars.next(),
-    ) {
+    match (chars.next().and_then(Granularity::from_letter), chars.next()) {
         (Some(g), None) => Ok(g),
-        _ => Err(PyValueError::new_err(format!(
-            "granularity must be one of N, I, G (got {text:?})"
-        ))),
+        _ => Err(PyValueError::new_err(format!("granularity must be one of N, I, G (got {text:?})"))),
     }
 }
 
@@ -66,10 +51,7 @@ impl PyStrategy {
     /// The 14 valid strategies.
     #[staticmethod]
     fn all() -> Vec<Self> {
-        CoreStrategy::all_valid()
-            .into_iter()
-            .map(PyStrategy)
-            .collect()
+        CoreStrategy::all_valid().into_iter().map(PyStrategy).collect()
     }
 
     /// Parameter granularity: "N", "I" or "G".
@@ -119,10 +101,7 @@ fn check_topology(world: usize, group_size: usize) -> PyResult<()> {
 
 /// `(world, group_size)` of a process group from its members' global ranks, or None and the reason it runs flat.
 #[pyfunction]
-fn subgroup_shape(
-    global_ranks: Vec<usize>,
-    group_size: usize,
-) -> PyResult<(Option<(usize, usize)>, Option<String>)> {
+fn subgroup_shape(global_ranks: Vec<usize>, group_size: usize) -> PyResult<(Option<(usize, usize)>, Option<String>)> {
     let s = topology::subgroup_shape(&global_ranks, group_size).map_err(to_py)?;
     Ok((s.topology.map(|t| (t.world, t.group_size)), s.flat_reason))
 }
@@ -135,13 +114,7 @@ fn padded_numel(numel: u64, world: usize) -> u64 {
 
 /// `(start, end)` of the padded flat buffer that `rank` holds at granularity "N", "I" or "G".
 #[pyfunction]
-fn shard_range(
-    numel: u64,
-    world: usize,
-    group_size: usize,
-    granularity: &str,
-    rank: usize,
-) -> PyResult<(u64, u64)> {
+fn shard_range(numel: u64, world: usize, group_size: usize, granularity: &str, rank: usize) -> PyResult<(u64, u64)> {
     let t = Topology::new(world, group_size).map_err(to_py)?;
     t.check_rank(rank).map_err(to_py)?;
     let r = layout::ShardLayout::new(numel, t).shard_range(gran(granularity)?, rank);
@@ -170,17 +143,9 @@ fn describe_plan(
         "broadcast" => Collective::Broadcast,
         "reduce" => Collective::Reduce,
         "barrier" => Collective::Barrier,
-        other => {
-            return Err(PyValueError::new_err(format!(
-                "unknown collective {other:?}"
-            )))
-        }
+        other => return Err(PyValueError::new_err(format!("unknown collective {other:?}"))),
     };
-    let topology = if group_size == 0 {
-        None
-    } else {
-        Some(Topology::new(world, group_size).map_err(to_py)?)
-    };
+    let topology = if group_size == 0 { None } else { Some(Topology::new(world, group_size).map_err(to_py)?) };
     let req = planner::Request {
         collective: c,
         topology,
@@ -189,10 +154,7 @@ fn describe_plan(
         numel,
         elem_size,
         root,
-        chunks: ChunkPolicy {
-            chunk_bytes,
-            max_chunks,
-        },
+        chunks: ChunkPolicy { chunk_bytes, max_chunks },
     };
     let plan = planner::plan(&req).map_err(to_py)?;
     serde_json::to_string(&plan).map_err(|e| PyValueError::new_err(e.to_string()))
@@ -219,20 +181,12 @@ fn create_backend<'py>(
     inter: Option<Bound<'py, PyAny>>,
     flat: Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let shape = bridge::ffi::Shape {
-        world,
-        group_size,
-        rank,
-        chunk_bytes,
-        max_chunks,
-    };
+    let shape = bridge::ffi::Shape { world, group_size, rank, chunk_bytes, max_chunks };
     bridge::topology_of(&shape).map_err(to_py)?;
     let ptr = |o: &Option<Bound<'py, PyAny>>| o.as_ref().map_or(0, |b| b.as_ptr() as usize);
     // SAFETY: the pointers are live Python objects held by this frame; the GIL is held.
-    let obj = unsafe {
-        bridge::ffi::create_backend(&shape, ptr(&intra), ptr(&inter), flat.as_ptr() as usize)
-    }
-    .map_err(|e| PyRuntimeError::new_err(e.what().to_string()))?;
+    let obj = unsafe { bridge::ffi::create_backend(&shape, ptr(&intra), ptr(&inter), flat.as_ptr() as usize) }
+        .map_err(|e| PyRuntimeError::new_err(e.what().to_string()))?;
     // SAFETY: create_backend returns a new reference.
     Ok(unsafe { Bound::from_owned_ptr(py, obj as *mut pyo3::ffi::PyObject) })
 }
@@ -261,15 +215,9 @@ fn reset_backend_stats(backend: Bound<'_, PyAny>) -> PyResult<()> {
 fn _C(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<PyStrategy>()?;
-    m.add(
-        "InvalidStrategyError",
-        py.get_type::<InvalidStrategyError>(),
-    )?;
+    m.add("InvalidStrategyError", py.get_type::<InvalidStrategyError>())?;
     m.add("TopologyError", py.get_type::<TopologyError>())?;
-    let codes: Vec<String> = CoreStrategy::all_valid()
-        .iter()
-        .map(CoreStrategy::code)
-        .collect();
+    let codes: Vec<String> = CoreStrategy::all_valid().iter().map(CoreStrategy::code).collect();
     m.add("STRATEGIES", codes)?;
     let aliases: Vec<(&str, &str)> = paro_core::strategy::ALIASES.to_vec();
     m.add("ALIASES", aliases)?;
