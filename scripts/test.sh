@@ -7,8 +7,8 @@ PY=${PYTHON:-python3}
 echo "== lint"
 cargo fmt --all --check
 cargo clippy -p paro-core --all-targets -- -D warnings
-$PY -m ruff check paro_torch tests benchmarks examples
-$PY -m ruff format --check paro_torch tests benchmarks examples
+$PY -m ruff check .
+$PY -m ruff format --check .
 echo "== cargo test"
 cargo test -p paro-core
 echo "== pytest"
