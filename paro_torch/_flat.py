@@ -1,0 +1,223 @@
+"""One unit's parameters in a padded flat buffer and its p, g and os shards (nested layout, paro-spec §3).
+
+Rank (k, r) holds I-shard r of the padded buffer and, inside it, G-shard block r·g + k, so going N→I is an
+intra-group collective and I→G an inter-group one among ranks of equal local rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from paro_torch import _C
+from paro_torch._groups import ParoGroups
+
+N, I, G = "N", "I", "G"
+
+
+@dataclass
+class ParamSlot:
+    """Where one original parameter lives in a flat buffer."""
+
+    module: nn.Module
+    name: str
+    fqn: str
+    shape: torch.Size
+    offset: int
+    numel: int
+
+
+def _reduce_scatter(x: torch.Tensor, pg: dist.ProcessGroup | None) -> torch.Tensor:
+    if pg is None:
+        return x
+    out = torch.empty(x.numel() // dist.get_world_size(pg), dtype=x.dtype)
+    dist.reduce_scatter_tensor(out, x, group=pg)
+    return out
+
+
+def _all_gather(out: torch.Tensor, x: torch.Tensor, pg: dist.ProcessGroup | None) -> None:
+    out, x = out.detach(), x.detach()  # collectives write in place; autograd must not see them
+    if pg is None:
+        out.copy_(x)
+        return
+    shares = x.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+    dist.all_gather_into_tensor(out, x.clone() if shares else x, group=pg)
+
+
+class FlatBuffer:
+    """The trainable (or the frozen) parameters of one unit, packed, padded to a multiple of n and sharded."""
+
+    def __init__(
+        self,
+        slots: list[ParamSlot],
+        values: list[torch.Tensor],
+        strategy: _C.Strategy,
+        groups: ParoGroups,
+        trainable: bool,
+        param_dtype: torch.dtype,
+    ) -> None:
+        self.slots = slots
+        self.strategy = strategy
+        self.groups = groups
+        self.trainable = trainable
+        self.param_dtype = param_dtype
+        self.numel = sum(s.numel for s in slots)
+        self.padded = _C.padded_numel(self.numel, groups.world)
+        full = torch.zeros(self.padded, dtype=param_dtype)
+        master_full = torch.zeros(self.padded, dtype=torch.float32) if trainable else None
+        for s, v in zip(slots, values, strict=True):
+            full[s.offset : s.offset + s.numel] = v.detach().reshape(-1)
+            if master_full is not None:
+                master_full[s.offset : s.offset + s.numel] = v.detach().reshape(-1).float()
+        self.p_lo, self.p_hi = self.range(strategy.p)
+        # p-shard: the persistent parameter storage (the whole buffer when p = N)
+        self.p_shard = full if strategy.p == N else full[self.p_lo : self.p_hi].clone()
+        self.full: torch.Tensor | None = self.p_shard if strategy.p == N else None
+        self.grad_ready = False
+        self.master: nn.Parameter | None = None
+        self.g_acc: torch.Tensor | None = None
+        if trainable:
+            lo, hi = self.range(strategy.os)
+            if param_dtype == torch.float32:  # the os shard nests in the p shard: update it in place
+                master = self.p_shard.detach()[lo - self.p_lo : hi - self.p_lo]
+            else:
+                master = master_full[lo:hi].clone()
+            self.master = nn.Parameter(master, requires_grad=True)
+            g_lo, g_hi = self.range(strategy.g)
+            self.g_acc = torch.zeros(g_hi - g_lo, dtype=torch.float32)
+            self.synced_version = self.master._version
+            if strategy.p == N:
+                self.p_shard.requires_grad_(True)
+                self.p_shard.register_post_accumulate_grad_hook(self._on_grad)
+
+    # -- layout -------------------------------------------------------------------------------------------
+    def range(self, granularity: str) -> tuple[int, int]:
+        """The slice of the padded buffer this rank holds at a granularity."""
+        g = self.groups
+        return _C.shard_range(self.numel, g.world, g.group_size, granularity, g.rank)
+
+    # -- parameters: p → N (unshard) and back (reshard) --------------------------------------------------------
+    def unshard(self) -> torch.Tensor:
+        """Makes the whole buffer available (gathering it for p = I, G) and returns it."""
+        if self.strategy.p == N:
+            return self.p_shard
+        if self.full is None:
+            self.full = torch.empty(self.padded, dtype=self.param_dtype)
+            if self.trainable:
+                self.full.requires_grad_(True)
+                self.full.register_post_accumulate_grad_hook(self._on_grad)
+        elif self.full.untyped_storage().size() == 0:
+            self.full.untyped_storage().resize_(self.padded * self.full.element_size())
+        else:
+            return self.full
+        # the re-gather before backward refills the storage that forward's saved views point to; keep the
+        # version counter so autograd accepts it (as FSDP does)
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full):
+            self._gather_to_full(self.p_shard, self.strategy.p, self.full)
+        return self.full
+
+    def reshard(self) -> None:
+        """Frees the gathered buffer (p = I, G); views keep their metadata and see it again after unshard."""
+        if self.strategy.p != N and self.full is not None and self.full.untyped_storage().size() > 0:
+            self.full.untyped_storage().resize_(0)
+
+    def forget_full(self) -> None:
+        """Drops the gathered tensor so the next forward builds a fresh leaf."""
+        if self.strategy.p != N:
+            self.reshard()
+            self.full = None
+
+    def _gather_to_full(self, shard: torch.Tensor, granularity: str, out: torch.Tensor) -> None:
+        """out (whole padded buffer) ← shard held at granularity: inter all-gather G→I, intra all-gather I→N."""
+        g = self.groups
+        out = out.detach()
+        if granularity == N:
+            out.copy_(shard)
+            return
+        i_lo, i_hi = self.range(I)
+        if granularity == G:
+            _all_gather(out[i_lo:i_hi], shard, g.inter)
+        else:
+            out[i_lo:i_hi].copy_(shard)
+        _all_gather(out, out[i_lo:i_hi], g.intra)
+
+    def views(self) -> list[torch.Tensor]:
+        """The original parameters as views of the whole buffer (call after unshard)."""
+        full = self.full if self.full is not None else self.p_shard
+        return [full[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots]
+
+    # -- gradients ----------------------------------------------------------------------------------------------
+    def _on_grad(self, full: torch.Tensor) -> None:
+        """Post-accumulate-grad hook of the whole-buffer leaf: reduce this micro-step's gradient, reshard."""
+        assert full.grad is not None
+        self.reduce_grad(full.grad)
+        full.grad = None
+        self.reshard()
+
+    def reduce_grad(self, grad: torch.Tensor) -> None:
+        """One micro-step: reduce the whole-buffer gradient to g's layout and accumulate it (spec §5.1)."""
+        assert self.g_acc is not None
+        x = grad.float() if grad.dtype != torch.float32 else grad
+        if self.strategy.g in (I, G):
+            x = _reduce_scatter(x.contiguous(), self.groups.intra)
+        if self.strategy.g == G:
+            x = _reduce_scatter(x, self.groups.inter)
+        self.g_acc.add_(x)
+        self.grad_ready = True
+
+    def sync_grad(self) -> None:
+        """Accumulation boundary: bring accumulated gradients to os's layout, mean over ranks, into master.grad."""
+        assert self.g_acc is not None and self.master is not None
+        s, groups = self.strategy, self.groups
+        x = self.g_acc
+        if s.g == N:
+            x = _reduce_scatter(x, groups.intra)
+        if s.g in (N, I):  # partial sums across groups
+            if s.os == G:
+                x = _reduce_scatter(x, groups.inter)
+            elif groups.inter is not None:
+                x = x.clone()
+                dist.all_reduce(x, group=groups.inter)
+        if s.os == N:
+            full = torch.empty(self.padded, dtype=x.dtype)
+            _all_gather(full, x, groups.intra)
+            x = full
+        self.master.grad = (x / groups.world).to(self.master.dtype)
+        self.g_acc.zero_()
+
+    # -- parameters after the optimizer step: os → p ----------------------------------------------------------
+    def params_stale(self) -> bool:
+        """True when the optimizer changed the master shard since the last sync."""
+        return self.master is not None and self.master._version != self.synced_version
+
+    def sync_params(self) -> None:
+        """Brings the updated os shard back to p's layout: inter all-gather G→I, intra all-gather I→N."""
+        assert self.master is not None
+        s = self.strategy
+        os_lo, os_hi = self.range(s.os)
+        p_shard = self.p_shard.detach()
+        with torch.no_grad():
+            if self.param_dtype != torch.float32:
+                p_shard[os_lo - self.p_lo : os_hi - self.p_lo].copy_(self.master)
+            if s.os != s.p:
+                # work in whole-buffer coordinates: p_shard covers [p_lo, p_hi) of it
+                i_lo, i_hi = self.range(I)
+                if s.os == G:
+                    dst = p_shard[i_lo - self.p_lo : i_hi - self.p_lo]
+                    _all_gather(dst, p_shard[os_lo - self.p_lo : os_hi - self.p_lo], self.groups.inter)
+                if s.p == N:
+                    _all_gather(p_shard, p_shard[i_lo:i_hi], self.groups.intra)
+        self.synced_version = self.master._version
+
+    def full_values(self) -> torch.Tensor:
+        """The whole buffer's current values (masters for trainable parameters), gathered on every rank."""
+        out = torch.empty(self.padded, dtype=torch.float32 if self.trainable else self.param_dtype)
+        with torch.no_grad():
+            if self.master is not None:
+                self._gather_to_full(self.master.detach().to(out.dtype), self.strategy.os, out)
+            else:
+                self._gather_to_full(self.p_shard, self.strategy.p, out)
+        return out

@@ -1,0 +1,101 @@
+"""The two communicators of PaRO-DP: the intra-group one (fast links) and the inter-group one (a rail)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from paro_torch import _C
+
+
+@dataclass(frozen=True)
+class ParoGroups:
+    """This rank's place in g groups of m ranks, and the process groups of both levels.
+
+    Vocabulary: *intra* = the m ranks of this rank's group (granularity I); *inter* = the g ranks with this
+    rank's local rank, one per group (a rail); *world* = all n ranks (granularity G).
+    """
+
+    world: int
+    group_size: int
+    rank: int
+    intra: dist.ProcessGroup | None
+    """The m ranks of this group (None when m == 1)."""
+    inter: dist.ProcessGroup | None
+    """The g ranks sharing this local rank (None when g == 1)."""
+    whole: dist.ProcessGroup
+    """All ranks, for checks."""
+
+    @property
+    def num_groups(self) -> int:
+        """g."""
+        return self.world // self.group_size
+
+    @property
+    def group_index(self) -> int:
+        """k, this rank's group."""
+        return self.rank // self.group_size
+
+    @property
+    def local_rank(self) -> int:
+        """r, this rank's index inside its group."""
+        return self.rank % self.group_size
+
+
+def _default_group_size(world: int) -> int:
+    for name in ("PARO_GROUP_SIZE", "LOCAL_WORLD_SIZE"):
+        if os.environ.get(name):
+            return int(os.environ[name])
+    return world
+
+
+def build_groups(
+    group_size: int | None = None,
+    process_groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] | None = None,
+    device_mesh: DeviceMesh | None = None,
+) -> ParoGroups:
+    """Creates (or adopts) the intra- and inter-group process groups; every rank must call it.
+
+    Args:
+        group_size: Ranks per group; default PARO_GROUP_SIZE, else torchrun's LOCAL_WORLD_SIZE, else all ranks.
+        process_groups: An ``(intra, inter)`` pair to use as they are (as FSDP1's hybrid tuple).
+        device_mesh: A 2-D mesh, outer dimension = inter-group (replicate), inner = intra-group (shard), as
+            FSDP2 and accelerate lay out HSDP.
+
+    Raises:
+        TopologyError: the group size does not divide the world size, or the groups given do not fit.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if device_mesh is not None:
+        if device_mesh.ndim != 2:
+            raise _C.TopologyError(f"device_mesh must be 2-D (inter, intra); got {device_mesh.ndim} dimensions")
+        process_groups = (device_mesh.get_group(1), device_mesh.get_group(0))
+    if process_groups is not None:
+        intra, inter = process_groups
+        m = dist.get_world_size(intra) if intra is not None else 1
+        g = dist.get_world_size(inter) if inter is not None else 1
+        local = dist.get_rank(intra) if intra is not None else 0
+        index = dist.get_rank(inter) if inter is not None else 0
+        if m * g != world or local != rank % m or index != rank // m:
+            raise _C.TopologyError(
+                f"process_groups do not form {world} ranks as groups of consecutive ranks: intra has {m} ranks, "
+                f"inter {g}; pass (intra, inter) with intra = ranks k*m..k*m+m-1 and inter = ranks r, r+m, ..."
+            )
+        return ParoGroups(world, m, rank, intra if m > 1 else None, inter if g > 1 else None, dist.group.WORLD)
+    m = group_size if group_size is not None else _default_group_size(world)
+    _C.check_topology(world, m)
+    g = world // m
+    backend = "paro"
+    intra = inter = None
+    for k in range(g):  # every rank creates every group, in the same order
+        pg = dist.new_group(list(range(k * m, (k + 1) * m)), backend=backend) if m > 1 else None
+        if k == rank // m:
+            intra = pg
+    for r in range(m):
+        pg = dist.new_group(list(range(r, world, m)), backend=backend) if g > 1 else None
+        if r == rank % m:
+            inter = pg
+    return ParoGroups(world, m, rank, intra, inter, dist.group.WORLD)

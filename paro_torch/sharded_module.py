@@ -1,0 +1,303 @@
+"""``ParoShardedModule``: PaRO-DP, one engine for all 14 (p, g, os) strategies.
+
+[Note: dataflow] Per unit (a wrapped block, or the root's remaining parameters) and per micro-step:
+unshard (gather p → N) before forward and again before backward when p is I or G, reshard after each; the
+whole-buffer gradient is reduced to g's layout and accumulated (nothing for N, intra reduce-scatter for I,
+plus inter reduce-scatter for G). At the accumulation boundary (the backward run with gradient sync on) the
+accumulated gradients go to os's layout (t_syncg) and become the master shard's ``.grad``; the user's
+optimizer updates only that shard; the next forward brings the update back to p's layout (t_syncp).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.distributed.device_mesh import DeviceMesh
+
+from paro_torch import _C
+from paro_torch._flat import G, I, N, FlatBuffer, ParamSlot
+from paro_torch._groups import ParoGroups, build_groups
+
+logger = logging.getLogger("paro_torch")
+
+WrapPolicy = set[type[nn.Module]] | Callable[[nn.Module], bool] | None
+
+
+class _Unit:
+    """The parameters of one wrapped block: a trainable and a frozen flat buffer."""
+
+    def __init__(self, module: nn.Module, buffers: list[FlatBuffer]) -> None:
+        self.module = module
+        self.buffers = buffers
+        self.backward_unsharded = False
+
+    def set_views(self) -> None:
+        for b in self.buffers:
+            b.unshard()
+            for slot, view in zip(b.slots, b.views(), strict=True):
+                setattr(slot.module, slot.name, view)
+
+    def reshard(self) -> None:
+        for b in self.buffers:
+            b.reshard()
+
+
+class ParoShardedModule(nn.Module):
+    """Wraps a module for PaRO-DP training with strategy (p, g, os).
+
+    Args:
+        module: The model. Parameters must be floating point; they are moved into flat buffers.
+        strategy: A code ("IIG", "PaRO-NIG") or alias ("zero3", "hsdp", "ddp", ...).
+        group_size: Ranks per group; default PARO_GROUP_SIZE, else torchrun's LOCAL_WORLD_SIZE, else all.
+        process_groups: An ``(intra, inter)`` pair of process groups instead of ``group_size``.
+        device_mesh: A 2-D mesh (inter, intra) instead of ``group_size``.
+        wrap_policy: Module classes (or a predicate) whose instances become units, each with its own buffers.
+        param_dtype: dtype of parameters and gradients for compute and communication (e.g. torch.bfloat16);
+            masters and optimizer states stay float32.
+
+    Raises:
+        InvalidStrategyError: unknown or eliminated strategy. TopologyError: sizes that do not fit.
+        ValueError: ranks that disagree on the configuration, or unsupported parameters.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        strategy: str = "IIG",
+        *,
+        group_size: int | None = None,
+        process_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None,
+        device_mesh: DeviceMesh | None = None,
+        wrap_policy: WrapPolicy = None,
+        param_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.strategy = _C.Strategy(strategy)
+        self.groups: ParoGroups = build_groups(group_size, process_groups, device_mesh)
+        self.param_dtype = param_dtype
+        _check_same_everywhere(module, self.strategy, self.groups, param_dtype)
+        self.module = module
+        self._units = self._build_units(module, wrap_policy)
+        self._sync_gradients = True
+        self._in_backward = False
+        masters = [b.master for u in self._units for b in u.buffers if b.master is not None]
+        self._masters = nn.ParameterList(masters)
+        for u in self._units:
+            if u.module is not module:
+                u.module.register_forward_pre_hook(self._make_pre_forward(u), prepend=True)
+                u.module.register_forward_hook(self._make_post_forward(u))
+
+    # ------------------------------------------------------------------------------------------ construction
+    def _build_units(self, module: nn.Module, policy: WrapPolicy) -> list[_Unit]:
+        def wraps(m: nn.Module) -> bool:
+            if policy is None or m is module:
+                return False
+            return isinstance(m, tuple(policy)) if isinstance(policy, set) else bool(policy(m))
+
+        owner: dict[int, nn.Module] = {}
+        blocks: list[tuple[str, nn.Module]] = [("", module)]
+
+        def visit(prefix: str, m: nn.Module, unit: nn.Module) -> None:
+            for name, p in m.named_parameters(recurse=False):
+                if id(p) in owner:
+                    raise ValueError(f"parameter {prefix}{name} is shared between modules; paro_torch shards "
+                                     "each parameter once: untie it or keep the sharing modules in one unit")  # fmt: skip
+                owner[id(p)] = unit
+            for name, child in m.named_children():
+                if wraps(child):
+                    blocks.append((prefix + name, child))
+                    visit(prefix + name + ".", child, child)
+                else:
+                    visit(prefix + name + ".", child, unit)
+
+        visit("", module, module)
+        by_unit: dict[int, list[tuple[str, nn.Module, str, nn.Parameter]]] = {id(b): [] for _, b in blocks}
+        for mod_name, m in module.named_modules(remove_duplicate=False):
+            for name, p in list(m.named_parameters(recurse=False)):
+                fqn = f"{mod_name}.{name}" if mod_name else name
+                by_unit[id(owner[id(p)])].append((fqn, m, name, p))
+        units = []
+        for _, block in reversed(blocks):  # inner units first, root last
+            entries = by_unit[id(block)]
+            buffers = []
+            for trainable in (True, False):
+                chosen = [e for e in entries if e[3].requires_grad == trainable]
+                if not chosen:
+                    continue
+                slots, values, offset = [], [], 0
+                for fqn, m, name, p in chosen:
+                    slots.append(ParamSlot(m, name, fqn, p.shape, offset, p.numel()))
+                    values.append(p.detach())
+                    offset += p.numel()
+                    del m._parameters[name]
+                buffers.append(FlatBuffer(slots, values, self.strategy, self.groups, trainable, self.param_dtype))
+            units.append(_Unit(block, buffers))
+        return units
+
+    # ------------------------------------------------------------------------------------------------- hooks
+    def _make_pre_forward(self, unit: _Unit) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            unit.set_views()
+
+        return hook
+
+    def _make_post_forward(self, unit: _Unit) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            if self.strategy.p != N:
+                unit.reshard()
+            self._register_pre_backward(unit, output)
+            return output
+
+        return hook
+
+    def _register_pre_backward(self, unit: _Unit, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            self._start_backward()
+            if not unit.backward_unsharded:
+                unit.backward_unsharded = True
+                for b in unit.buffers:
+                    b.unshard()
+            return grad
+
+        for t in _tensors(output):
+            if t.requires_grad:
+                t.register_hook(hook)
+
+    def _start_backward(self) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        """Runs once when autograd finishes: reduce unused buffers, reshard, and sync at the boundary."""
+        self._in_backward = False
+        for u in self._units:
+            u.backward_unsharded = False
+            for b in u.buffers:
+                if b.trainable and not b.grad_ready:  # unused this step: reduce zeros so every rank agrees
+                    b.reduce_grad(torch.zeros(b.padded, dtype=b.param_dtype))
+                b.grad_ready = False
+                b.forget_full()
+        if self._sync_gradients:
+            for u in self._units:
+                for b in u.buffers:
+                    if b.trainable:
+                        b.sync_grad()
+
+    # ----------------------------------------------------------------------------------------------- forward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Brings parameters up to date after an optimizer step, then runs the module."""
+        for u in self._units:
+            for b in u.buffers:
+                if b.trainable and b.params_stale():
+                    b.sync_params()
+        root = self._units[-1]
+        root.set_views()
+        out = self.module(*args, **kwargs)
+        if self.strategy.p != N:
+            root.reshard()
+        self._register_pre_backward(root, out)
+        return out
+
+    # ----------------------------------------------------------------------------------------- training API
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without the boundary sync (as DDP/FSDP ``no_sync``)."""
+        prev = self._sync_gradients
+        self._sync_gradients = False
+        try:
+            yield
+        finally:
+            self._sync_gradients = prev
+
+    def set_requires_gradient_sync(self, requires: bool) -> None:
+        """FSDP2's name for toggling the boundary sync."""
+        self._sync_gradients = requires
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips master gradients by the global norm, counting every shard once; returns the norm."""
+        if norm_type != 2.0:
+            raise ValueError("paro_torch: clip_grad_norm_ supports norm_type=2.0 only")
+        grads = [p.grad for p in self._masters if p.grad is not None]
+        sq = torch.zeros((), dtype=torch.float32)
+        for g in grads:
+            sq += g.float().pow(2).sum()
+        pg = {G: self.groups.whole, I: self.groups.intra, N: None}[self.strategy.os]
+        if pg is not None:
+            dist.all_reduce(sq, group=pg)
+        norm = sq.sqrt()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef)
+        return norm
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter whole (masters in float32 for trainable ones), under its original name, on every rank."""
+        out = {}
+        for u in self._units:
+            for b in u.buffers:
+                values = b.full_values()
+                for s in b.slots:
+                    out[s.fqn] = values[s.offset : s.offset + s.numel].view(s.shape).clone()
+        return out
+
+    def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """Bytes this rank holds persistently for parameters, gradient accumulators and optimizer states."""
+        params = sum(b.p_shard.numel() * b.p_shard.element_size() for u in self._units for b in u.buffers)
+        grads = sum(b.g_acc.numel() * 4 for u in self._units for b in u.buffers if b.g_acc is not None)
+        masters = [b.master for u in self._units for b in u.buffers if b.master is not None]
+        optim = 0
+        if self.param_dtype != torch.float32:
+            optim += sum(m.numel() * 4 for m in masters)
+        if optimizer is not None:
+            for m in masters:
+                for v in optimizer.state.get(m, {}).values():
+                    if torch.is_tensor(v) and v.numel() > 1:
+                        optim += v.numel() * v.element_size()
+        return {"params": params, "grads": grads, "optimizer_states": optim}
+
+
+def _tensors(x: Any) -> Iterator[torch.Tensor]:
+    if torch.is_tensor(x):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _tensors(y)
+    elif hasattr(x, "__dataclass_fields__") or hasattr(x, "to_tuple"):
+        yield from _tensors(x.to_tuple() if hasattr(x, "to_tuple") else vars(x))
+
+
+def _check_same_everywhere(module: nn.Module, strategy: _C.Strategy, groups: ParoGroups, dtype: torch.dtype) -> None:
+    """Raises on every rank if ranks disagree on strategy, group size or model structure."""
+    desc = [f"strategy={strategy.code}", f"group_size={groups.group_size}", f"dtype={dtype}"]
+    for name, p in module.named_parameters():
+        if not p.is_floating_point():
+            raise ValueError(f"parameter {name} has dtype {p.dtype}; paro_torch shards floating-point parameters "
+                             "only: register it as a buffer instead")  # fmt: skip
+        desc.append(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}")
+    digest = hashlib.sha256("\n".join(desc).encode()).digest()
+    mine = torch.tensor(list(digest[:16]), dtype=torch.int64)
+    everyone = torch.empty(groups.world * 16, dtype=torch.int64)
+    dist.all_gather_into_tensor(everyone, mine, group=groups.whole)
+    everyone = everyone.view(groups.world, 16)
+    differ = [r for r in range(groups.world) if not torch.equal(everyone[r], everyone[0])]
+    if differ:
+        raise ValueError(
+            f"ranks disagree on the configuration: ranks {differ} differ from rank 0 in strategy, group size, "
+            f"dtype or model structure (this rank: {desc[:3]}); build the same model with the same arguments on "
+            "every rank"
+        )

@@ -1,0 +1,127 @@
+"""ParoShardedModule with every strategy trains to the parameters of single-process training.
+
+Usage: engine.py VARIANT [STRATEGY ...]; VARIANT in plain, frozen, lora, clip, bf16.
+"""
+
+import copy
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import paro_torch
+from paro_torch import ParoShardedModule
+from paro_torch._groups import build_groups
+
+STEPS, ACCUM, BATCH, DIM, VOCAB, SEQ = 4, 2, 2, 16, 32, 6
+
+
+class Block(nn.Module):
+    def __init__(self, lora: bool) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.qkv = nn.Linear(DIM, 3 * DIM, bias=False)  # a key bias has an exactly-zero gradient: Adam amplifies its noise
+        self.proj = nn.Linear(DIM, DIM)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM))
+        self.lora = nn.Sequential(nn.Linear(DIM, 2, bias=False), nn.Linear(2, DIM, bias=False)) if lora else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        att = torch.softmax(q @ k.transpose(-1, -2) / DIM**0.5, dim=-1) @ v
+        x = x + self.proj(att)
+        y = self.mlp(x)
+        if self.lora is not None:
+            y = y + self.lora(x)
+        return x + y
+
+
+class Tiny(nn.Module):
+    def __init__(self, lora: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList([Block(lora), Block(lora)])
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def make(variant: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = Tiny(lora=variant == "lora")
+    if variant == "frozen":  # about a quarter of the parameters frozen, some inside a block
+        for p in [model.embed.weight, model.blocks[0].mlp[0].weight, model.blocks[1].proj.bias]:
+            p.requires_grad_(False)
+    if variant == "lora":
+        for name, p in model.named_parameters():
+            p.requires_grad_("lora" in name)
+    return model
+
+
+def loss_fn(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    logits = model(idx[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), idx[:, 1:].reshape(-1))
+
+
+def train_reference(variant: str, data: list[list[torch.Tensor]]) -> tuple[nn.Module, list[float]]:
+    ref, norms = make(variant), []
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    for micro in data:
+        for x in micro:
+            (loss_fn(ref, x) / ACCUM).backward()
+        if variant == "clip":
+            norms.append(torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], 0.05).item())
+        opt.step()
+        opt.zero_grad()
+    return ref, norms
+
+
+def main() -> None:
+    variant, strategies = sys.argv[1], sys.argv[2:] or paro_torch.STRATEGIES
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = build_groups()
+    g = torch.Generator().manual_seed(1)
+    data = [[torch.randint(0, VOCAB, (world * BATCH, SEQ + 1), generator=g) for _ in range(ACCUM)] for _ in range(STEPS)]
+    ref, ref_norms = train_reference(variant, data)
+    assert variant != "clip" or min(ref_norms) > 0.05, "the clipping test must clip"
+    want = {k: v.float() for k, v in ref.state_dict().items()}
+    tol = 5e-2 if variant == "bf16" else 1e-5
+    for code in strategies:
+        model = ParoShardedModule(
+            make(variant),
+            code,
+            process_groups=(groups.intra, groups.inter),
+            wrap_policy={Block},
+            param_dtype=torch.bfloat16 if variant == "bf16" else torch.float32,
+        )
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step, micro in enumerate(data):
+            for j, x in enumerate(micro):
+                local = x[rank * BATCH : (rank + 1) * BATCH]
+                if j < ACCUM - 1:
+                    with model.no_sync():
+                        (loss_fn(model, local) / ACCUM).backward()
+                else:
+                    (loss_fn(model, local) / ACCUM).backward()
+            if variant == "clip":
+                norm = model.clip_grad_norm_(0.05).item()
+                assert abs(norm - ref_norms[step]) < 1e-5 * ref_norms[step], (code, norm, ref_norms[step])
+            opt.step()
+            opt.zero_grad()
+        got = model.full_state_dict()
+        assert got.keys() == want.keys(), (sorted(got), sorted(want))
+        worst = max((got[k].float() - want[k]).abs().max().item() for k in want)
+        assert worst < tol, f"{code} ({variant}): parameters differ from single-process training by {worst:.3g}"
+        if rank == 0:
+            print(f"{code} {variant}: max |diff| {worst:.2e}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
