@@ -87,7 +87,8 @@ class FlatBuffer:
                 master = master_full[lo:hi].clone()
             self.master = nn.Parameter(master, requires_grad=True)
             g_lo, g_hi = self.range(strategy.g)
-            self.g_acc = torch.zeros(g_hi - g_lo, dtype=torch.float32)
+            # gradients are reduced and accumulated in the compute dtype (2 bytes for bf16, as in paro-spec §1)
+            self.g_acc = torch.zeros(g_hi - g_lo, dtype=param_dtype)
             self.synced_version = self.master._version
             if strategy.p == N:
                 self.p_shard.requires_grad_(True)
@@ -131,7 +132,7 @@ class FlatBuffer:
             self.full = None
 
     def _gather_to_full(self, shard: torch.Tensor, granularity: str, out: torch.Tensor) -> None:
-        """out (whole padded buffer) ← shard held at granularity: inter all-gather G→I, intra all-gather I→N."""
+        """Out (whole padded buffer) ← shard held at granularity: inter all-gather G→I, intra all-gather I→N."""
         g = self.groups
         out = out.detach()
         if granularity == N:
@@ -160,7 +161,7 @@ class FlatBuffer:
     def reduce_grad(self, grad: torch.Tensor) -> None:
         """One micro-step: reduce the whole-buffer gradient to g's layout and accumulate it (spec §5.1)."""
         assert self.g_acc is not None
-        x = grad.float() if grad.dtype != torch.float32 else grad
+        x = grad.to(self.g_acc.dtype) / self.groups.world  # pre-divide: sums of n ranks stay in range (fp16)
         if self.strategy.g in (I, G):
             x = _reduce_scatter(x.contiguous(), self.groups.intra)
         if self.strategy.g == G:
@@ -169,7 +170,7 @@ class FlatBuffer:
         self.grad_ready = True
 
     def sync_grad(self) -> None:
-        """Accumulation boundary: bring accumulated gradients to os's layout, mean over ranks, into master.grad."""
+        """Accumulation boundary: bring the accumulated gradients (already means over ranks) to os's layout."""
         assert self.g_acc is not None and self.master is not None
         s, groups = self.strategy, self.groups
         x = self.g_acc
@@ -185,7 +186,7 @@ class FlatBuffer:
             full = torch.empty(self.padded, dtype=x.dtype)
             _all_gather(full, x, groups.intra)
             x = full
-        self.master.grad = (x / groups.world).to(self.master.dtype)
+        self.master.grad = x.to(self.master.dtype, copy=True)
         self.g_acc.zero_()
 
     # -- parameters after the optimizer step: os → p ----------------------------------------------------------

@@ -31,7 +31,7 @@ class ParoGroups:
 
     @property
     def num_groups(self) -> int:
-        """g."""
+        """G."""
         return self.world // self.group_size
 
     @property

@@ -23,8 +23,8 @@ from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 
 from paro_torch import _C
-from paro_torch._flat import G, I, N, FlatBuffer, ParamSlot
-from paro_torch._groups import ParoGroups, build_groups
+from paro_torch._flat import FlatBuffer, G, I, N, ParamSlot
+from paro_torch._groups import ParoGroups, _default_group_size, build_groups
 
 logger = logging.getLogger("paro_torch")
 
@@ -80,10 +80,10 @@ class ParoShardedModule(nn.Module):
         param_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
-        self.strategy = _C.Strategy(strategy)
-        self.groups: ParoGroups = build_groups(group_size, process_groups, device_mesh)
+        m = _requested_group_size(group_size, process_groups, device_mesh)
+        self.strategy = _validate_everywhere(module, strategy, m, param_dtype)
+        self.groups: ParoGroups = build_groups(m, process_groups, device_mesh)
         self.param_dtype = param_dtype
-        _check_same_everywhere(module, self.strategy, self.groups, param_dtype)
         self.module = module
         self._units = self._build_units(module, wrap_policy)
         self._sync_gradients = True
@@ -255,7 +255,9 @@ class ParoShardedModule(nn.Module):
     def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Bytes this rank holds persistently for parameters, gradient accumulators and optimizer states."""
         params = sum(b.p_shard.numel() * b.p_shard.element_size() for u in self._units for b in u.buffers)
-        grads = sum(b.g_acc.numel() * 4 for u in self._units for b in u.buffers if b.g_acc is not None)
+        grads = sum(
+            b.g_acc.numel() * b.g_acc.element_size() for u in self._units for b in u.buffers if b.g_acc is not None
+        )
         masters = [b.master for u in self._units for b in u.buffers if b.master is not None]
         optim = 0
         if self.param_dtype != torch.float32:
@@ -281,23 +283,55 @@ def _tensors(x: Any) -> Iterator[torch.Tensor]:
         yield from _tensors(x.to_tuple() if hasattr(x, "to_tuple") else vars(x))
 
 
-def _check_same_everywhere(module: nn.Module, strategy: _C.Strategy, groups: ParoGroups, dtype: torch.dtype) -> None:
-    """Raises on every rank if ranks disagree on strategy, group size or model structure."""
-    desc = [f"strategy={strategy.code}", f"group_size={groups.group_size}", f"dtype={dtype}"]
-    for name, p in module.named_parameters():
-        if not p.is_floating_point():
-            raise ValueError(f"parameter {name} has dtype {p.dtype}; paro_torch shards floating-point parameters "
-                             "only: register it as a buffer instead")  # fmt: skip
-        desc.append(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}")
+def _requested_group_size(
+    group_size: int | None,
+    process_groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] | None,
+    device_mesh: DeviceMesh | None,
+) -> int:
+    if device_mesh is not None:
+        return device_mesh.size(device_mesh.ndim - 1)
+    if process_groups is not None:
+        return dist.get_world_size(process_groups[0]) if process_groups[0] is not None else 1
+    return group_size if group_size is not None else _default_group_size(dist.get_world_size())
+
+
+def _validate_everywhere(module: nn.Module, strategy: str, group_size: int, dtype: torch.dtype) -> _C.Strategy:
+    """Checks the configuration on every rank and compares it across ranks before any other collective.
+
+    Every rank takes part in one exchange even when its own input is bad, so a bad rank never leaves the
+    others waiting: all ranks raise.
+    """
+    world = dist.get_world_size()
+    error: Exception | None = None
+    parsed = None
+    try:
+        parsed = _C.Strategy(strategy)
+        _C.check_topology(world, group_size)
+        for name, p in module.named_parameters():
+            if not p.is_floating_point():
+                raise ValueError(f"parameter {name} has dtype {p.dtype}; paro_torch shards floating-point "
+                                 "parameters only: register it as a buffer instead")  # fmt: skip
+    except (ValueError, TypeError) as e:
+        error = e
+    desc = [f"strategy={parsed.code if parsed else strategy}", f"group_size={group_size}", f"dtype={dtype}"]
+    desc += [f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for n, p in module.named_parameters()]
     digest = hashlib.sha256("\n".join(desc).encode()).digest()
-    mine = torch.tensor(list(digest[:16]), dtype=torch.int64)
-    everyone = torch.empty(groups.world * 16, dtype=torch.int64)
-    dist.all_gather_into_tensor(everyone, mine, group=groups.whole)
-    everyone = everyone.view(groups.world, 16)
-    differ = [r for r in range(groups.world) if not torch.equal(everyone[r], everyone[0])]
+    mine = torch.tensor([*digest[:16], int(error is not None)], dtype=torch.int64)
+    everyone = torch.empty(world * 17, dtype=torch.int64)
+    dist.all_gather_into_tensor(everyone, mine)
+    everyone = everyone.view(world, 17)
+    if error is not None:
+        raise error
+    failed = [r for r in range(world) if everyone[r, 16] != 0]
+    if failed:
+        raise ValueError(f"ranks {failed} rejected the ParoShardedModule configuration (see their errors); "
+                         "fix it there: every rank must pass the same valid arguments")  # fmt: skip
+    differ = [r for r in range(world) if not torch.equal(everyone[r, :16], everyone[0, :16])]
     if differ:
         raise ValueError(
             f"ranks disagree on the configuration: ranks {differ} differ from rank 0 in strategy, group size, "
-            f"dtype or model structure (this rank: {desc[:3]}); build the same model with the same arguments on "
-            "every rank"
+            f"dtype or model structure (this rank: {', '.join(desc[:3])}); build the same model with the same "
+            "arguments on every rank"
         )
+    assert parsed is not None
+    return parsed

@@ -3,7 +3,6 @@
 Usage: engine.py VARIANT [STRATEGY ...]; VARIANT in plain, frozen, lora, clip, bf16.
 """
 
-import copy
 import sys
 
 import torch
@@ -21,7 +20,9 @@ class Block(nn.Module):
     def __init__(self, lora: bool) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(DIM)
-        self.qkv = nn.Linear(DIM, 3 * DIM, bias=False)  # a key bias has an exactly-zero gradient: Adam amplifies its noise
+        self.qkv = nn.Linear(
+            DIM, 3 * DIM, bias=False
+        )  # a key bias has an exactly-zero gradient: Adam amplifies its noise
         self.proj = nn.Linear(DIM, DIM)
         self.mlp = nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM))
         self.lora = nn.Sequential(nn.Linear(DIM, 2, bias=False), nn.Linear(2, DIM, bias=False)) if lora else None
@@ -87,7 +88,9 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = build_groups()
     g = torch.Generator().manual_seed(1)
-    data = [[torch.randint(0, VOCAB, (world * BATCH, SEQ + 1), generator=g) for _ in range(ACCUM)] for _ in range(STEPS)]
+    data = [
+        [torch.randint(0, VOCAB, (world * BATCH, SEQ + 1), generator=g) for _ in range(ACCUM)] for _ in range(STEPS)
+    ]
     ref, ref_norms = train_reference(variant, data)
     assert variant != "clip" or min(ref_norms) > 0.05, "the clipping test must clip"
     want = {k: v.float() for k, v in ref.state_dict().items()}

@@ -1,0 +1,89 @@
+"""Memory held and bytes sent per step by ParoShardedModule equal the Rust cost model's numbers exactly."""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from engine import ACCUM, BATCH, SEQ, VOCAB, Block, loss_fn, make
+
+import paro_torch
+from paro_torch import ParoShardedModule
+from paro_torch._groups import build_groups
+
+
+def estimate(model: ParoShardedModule, world: int, group_size: int, param_bytes: int) -> dict:
+    blocks = []
+    for unit in model._units:
+        numel = sum(b.numel for b in unit.buffers)
+        trainable = sum(b.numel for b in unit.buffers if b.trainable)
+        blocks.append({"numel": numel, "trainable": trainable})
+    request = {
+        "model": {"blocks": blocks},
+        "cluster": {
+            "world": world,
+            "group_size": group_size,
+            "intra_bandwidth": 1e10,
+            "inter_bandwidth": 1e9,
+            "intra_latency": 0,
+            "inter_latency": 0,
+            "memory_bytes": 10**12,
+        },  # fmt: skip
+        "training": {
+            "grad_accum": ACCUM,
+            "param_bytes": param_bytes,
+            "grad_bytes": param_bytes,
+            "optimizer_bytes": 8 if param_bytes == 4 else 12,
+        },  # fmt: skip
+        "collectives": "hierarchical",
+        "strategies": [model.strategy.code],
+    }
+    return json.loads(paro_torch._C.estimate(json.dumps(request)))["strategies"][0]
+
+
+def step(model: nn.Module, opt: torch.optim.Optimizer, rank: int) -> None:
+    g = torch.Generator().manual_seed(7)
+    for j in range(ACCUM):
+        x = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+        if j < ACCUM - 1:
+            with model.no_sync():
+                (loss_fn(model, x) / ACCUM).backward()
+        else:
+            (loss_fn(model, x) / ACCUM).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def main() -> None:
+    variants = sys.argv[1].split(",")
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = build_groups()  # paro sub-groups: their counters give bytes per level
+    levels = [pg for pg in (groups.intra, groups.inter) if pg is not None]
+    for variant in variants:
+        dtype = torch.bfloat16 if variant == "bf16" else torch.float32
+        for code in paro_torch.STRATEGIES:
+            model = ParoShardedModule(make(variant if variant != "bf16" else "plain"), code,
+                                      process_groups=(groups.intra, groups.inter), wrap_policy={Block},
+                                      param_dtype=dtype)  # fmt: skip
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            step(model, opt, rank)  # warm-up: creates optimizer states
+            for pg in levels:
+                paro_torch.reset_comm_stats(pg)
+            step(model, opt, rank)  # a steady-state step: its first forward syncs the previous update
+            intra = paro_torch.comm_stats(groups.intra).intra_bytes if groups.intra is not None else 0
+            inter = paro_torch.comm_stats(groups.inter).inter_bytes if groups.inter is not None else 0
+            want = estimate(model, world, groups.group_size, dtype.itemsize)
+            mem = model.memory_stats(opt)
+            got = (mem["params"], mem["grads"], mem["optimizer_states"], intra, inter)
+            expected = (want["memory"]["params"], want["memory"]["grads"], want["memory"]["optimizer_states"],
+                        want["intra_bytes"], want["inter_bytes"])  # fmt: skip
+            assert got == expected, f"{code} {variant}: measured {got} != cost model {expected}"
+            if rank == 0:
+                print(f"{code} {variant}: params/grads/optim/intra/inter = {got}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

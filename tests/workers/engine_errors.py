@@ -1,0 +1,47 @@
+"""Bad ParoShardedModule input raises a clear error on every rank, and nothing hangs."""
+
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import paro_torch
+from paro_torch import ParoShardedModule
+
+
+def main() -> None:
+    case = sys.argv[1]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    kwargs: dict = {"group_size": 2}
+    strategy = "IIG"
+    if case == "unknown":
+        strategy = "IIX"
+    elif case == "eliminated":
+        strategy = "INN"
+    elif case == "group_size":
+        kwargs["group_size"] = 3
+    elif case == "disagree_strategy":
+        strategy = "IIG" if rank else "GGG"
+    elif case == "disagree_group_size":
+        kwargs["group_size"] = 2 if rank else 4
+    elif case == "disagree_model":
+        if rank == 1:
+            model = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 2))
+    elif case == "int_param":
+        if rank == 0:  # only one rank is wrong: the others must still fail, not wait
+            model.register_parameter("step", nn.Parameter(torch.zeros(1, dtype=torch.int64), requires_grad=False))
+    try:
+        ParoShardedModule(model, strategy, **kwargs)
+    except ValueError as e:
+        print(f"rank {rank}: {type(e).__name__}: {e}", flush=True)
+        sys.exit(0)
+    print(f"rank {rank}: accepted", flush=True)
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+    assert paro_torch.STRATEGIES
+    main()
