@@ -15,7 +15,7 @@ import torch.nn as nn
 from paro_torch import _C
 from paro_torch._groups import ParoGroups
 
-N, I, G = "N", "I", "G"
+N, I, G = "N", "I", "G"  # noqa: E741  (the paper's granularity letters)
 
 
 @dataclass

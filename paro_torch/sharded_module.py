@@ -108,8 +108,10 @@ class ParoShardedModule(nn.Module):
         def visit(prefix: str, m: nn.Module, unit: nn.Module) -> None:
             for name, p in m.named_parameters(recurse=False):
                 if id(p) in owner:
-                    raise ValueError(f"parameter {prefix}{name} is shared between modules; paro_torch shards "
-                                     "each parameter once: untie it or keep the sharing modules in one unit")  # fmt: skip
+                    raise ValueError(
+                        f"parameter {prefix}{name} is shared between modules; paro_torch shards each parameter "
+                        "once: untie it or keep the sharing modules in one unit"
+                    )
                 owner[id(p)] = unit
             for name, child in m.named_children():
                 if wraps(child):
