@@ -10,6 +10,7 @@ import torch  # noqa: F401  (loads libtorch before the extension that links it)
 from paro_torch import _C  # noqa: F401  (the compiled core)
 from paro_torch._backend import CommStats, ParoBackendOptions, comm_stats, register, reset_comm_stats
 from paro_torch._C import ALIASES, STRATEGIES, InvalidStrategyError, Strategy, TopologyError
+from paro_torch.api import MixedPrecision
 from paro_torch.sharded_module import ParoShardedModule
 
 register()
@@ -19,6 +20,7 @@ __all__ = [
     "STRATEGIES",
     "CommStats",
     "InvalidStrategyError",
+    "MixedPrecision",
     "ParoBackendOptions",
     "ParoShardedModule",
     "Strategy",

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from paro_torch import _C
 from paro_torch._flat import FlatBuffer, G, I, N, ParamSlot
+from paro_torch.api import MixedPrecision
 from paro_torch._groups import ParoGroups, _default_group_size, build_groups
 
 logger = logging.getLogger("paro_torch")
@@ -60,8 +61,8 @@ class ParoShardedModule(nn.Module):
         process_groups: An ``(intra, inter)`` pair of process groups instead of ``group_size``.
         device_mesh: A 2-D mesh (inter, intra) instead of ``group_size``.
         wrap_policy: Module classes (or a predicate) whose instances become units, each with its own buffers.
-        param_dtype: dtype of parameters and gradients for compute and communication (e.g. torch.bfloat16);
-            masters and optimizer states stay float32.
+        mixed_precision: Low-precision parameters and gradients for compute and communication (e.g.
+            ``MixedPrecision(param_dtype=torch.bfloat16)``); masters and optimizer states stay float32.
 
     Raises:
         InvalidStrategyError: unknown or eliminated strategy. TopologyError: sizes that do not fit.
@@ -77,9 +78,10 @@ class ParoShardedModule(nn.Module):
         process_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None,
         device_mesh: DeviceMesh | None = None,
         wrap_policy: WrapPolicy = None,
-        param_dtype: torch.dtype = torch.float32,
+        mixed_precision: MixedPrecision | None = None,
     ) -> None:
         super().__init__()
+        param_dtype = mixed_precision.param_dtype if mixed_precision is not None else torch.float32
         m = _requested_group_size(group_size, process_groups, device_mesh)
         self.strategy = _validate_everywhere(module, strategy, m, param_dtype)
         self.groups: ParoGroups = build_groups(m, process_groups, device_mesh)
@@ -253,6 +255,10 @@ class ParoShardedModule(nn.Module):
                 for s in b.slots:
                     out[s.fqn] = values[s.offset : s.offset + s.numel].view(s.shape).clone()
         return out
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        """The full state dict (see ``full_state_dict``): whole parameters under the wrapped module's names."""
+        return self.full_state_dict()
 
     def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Bytes this rank holds persistently for parameters, gradient accumulators and optimizer states."""

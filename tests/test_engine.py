@@ -21,6 +21,10 @@ def test_clipping_and_bf16(variant: str) -> None:
     assert_ok(launch("engine.py", 4, env={"PARO_GROUP_SIZE": "2"}, args=(variant,)))
 
 
+def test_groups_from_a_device_mesh() -> None:
+    assert_ok(launch("engine.py", 4, env={"PARO_GROUP_SIZE": "2"}, args=("mesh", "IIG", "NGG", "III")))
+
+
 @pytest.mark.parametrize("world,group_size", [(4, 2), (8, 2)], ids=["2x2", "4x2"])
 def test_memory_and_bytes_equal_the_cost_model(world: int, group_size: int) -> None:
     variants = "plain,frozen,bf16" if world == 4 else "frozen"

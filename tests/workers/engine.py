@@ -1,6 +1,6 @@
 """ParoShardedModule with every strategy trains to the parameters of single-process training.
 
-Usage: engine.py VARIANT [STRATEGY ...]; VARIANT in plain, frozen, lora, clip, bf16.
+Usage: engine.py VARIANT [STRATEGY ...]; VARIANT in plain, frozen, lora, clip, bf16, mesh.
 """
 
 import sys
@@ -95,13 +95,19 @@ def main() -> None:
     assert variant != "clip" or min(ref_norms) > 0.05, "the clipping test must clip"
     want = {k: v.float() for k, v in ref.state_dict().items()}
     tol = 5e-2 if variant == "bf16" else 1e-5
+    mesh = None
+    if variant == "mesh":  # groups from a 2-D DeviceMesh (outer = inter-group, inner = intra-group), as HSDP
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world // groups.group_size, groups.group_size))
     for code in strategies:
         model = ParoShardedModule(
             make(variant),
             code,
-            process_groups=(groups.intra, groups.inter),
+            process_groups=None if mesh is not None else (groups.intra, groups.inter),
+            device_mesh=mesh,
             wrap_policy={Block},
-            param_dtype=torch.bfloat16 if variant == "bf16" else torch.float32,
+            mixed_precision=paro_torch.MixedPrecision(param_dtype=torch.bfloat16) if variant == "bf16" else None,
         )
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         for step, micro in enumerate(data):
@@ -117,7 +123,7 @@ def main() -> None:
                 assert abs(norm - ref_norms[step]) < 1e-5 * ref_norms[step], (code, norm, ref_norms[step])
             opt.step()
             opt.zero_grad()
-        got = model.full_state_dict()
+        got = model.state_dict()
         assert got.keys() == want.keys(), (sorted(got), sorted(want))
         worst = max((got[k].float() - want[k]).abs().max().item() for k in want)
         assert worst < tol, f"{code} ({variant}): parameters differ from single-process training by {worst:.3g}"

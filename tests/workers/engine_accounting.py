@@ -66,7 +66,7 @@ def main() -> None:
         for code in paro_torch.STRATEGIES:
             model = ParoShardedModule(make(variant if variant != "bf16" else "plain"), code,
                                       process_groups=(groups.intra, groups.inter), wrap_policy={Block},
-                                      param_dtype=dtype)  # fmt: skip
+                                      mixed_precision=paro_torch.MixedPrecision(param_dtype=dtype))  # fmt: skip
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             step(model, opt, rank)  # warm-up: creates optimizer states
             for pg in levels:
