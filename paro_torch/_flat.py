@@ -6,6 +6,7 @@ intra-group collective and I→G an inter-group one among ranks of equal local r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -58,8 +59,10 @@ class FlatBuffer:
         groups: ParoGroups,
         trainable: bool,
         param_dtype: torch.dtype,
+        on_grad_ready: Callable[[FlatBuffer, torch.Tensor], None] | None = None,
     ) -> None:
         self.slots = slots
+        self.on_grad_ready = on_grad_ready or (lambda b, grad: b.start_reduce(grad)())
         self.strategy = strategy
         self.groups = groups
         self.trainable = trainable
@@ -152,22 +155,37 @@ class FlatBuffer:
 
     # -- gradients ----------------------------------------------------------------------------------------------
     def _on_grad(self, full: torch.Tensor) -> None:
-        """Post-accumulate-grad hook of the whole-buffer leaf: reduce this micro-step's gradient, reshard."""
+        """Post-accumulate-grad hook of the whole-buffer leaf: hand the gradient over, reshard."""
         assert full.grad is not None
-        self.reduce_grad(full.grad)
-        full.grad = None
+        grad, full.grad = full.grad, None
         self.reshard()
+        self.on_grad_ready(self, grad)
 
-    def reduce_grad(self, grad: torch.Tensor) -> None:
-        """One micro-step: reduce the whole-buffer gradient to g's layout and accumulate it (spec §5.1)."""
+    def start_reduce(self, grad: torch.Tensor) -> Callable[[], None]:
+        """One micro-step: starts reducing the whole-buffer gradient to g's layout (spec §5.1).
+
+        The intra-group reduce-scatter runs asynchronously; the returned function waits for it, runs the
+        inter-group step for g = G, and accumulates. The engine calls it when the next gradient is ready, so
+        the reduction of one unit overlaps the backward of the unit before it.
+        """
         assert self.g_acc is not None
-        x = grad.to(self.g_acc.dtype) / self.groups.world  # pre-divide: sums of n ranks stay in range (fp16)
-        if self.strategy.g in (I, G):
-            x = _reduce_scatter(x.contiguous(), self.groups.intra)
-        if self.strategy.g == G:
-            x = _reduce_scatter(x, self.groups.inter)
-        self.g_acc.add_(x)
+        g_acc = self.g_acc
+        x = grad.to(g_acc.dtype) / self.groups.world  # pre-divide: sums of n ranks stay in range (fp16)
         self.grad_ready = True
+        if self.strategy.g == N or self.groups.intra is None:
+            work, out = None, x
+        else:
+            out = torch.empty(x.numel() // self.groups.group_size, dtype=x.dtype)
+            work = dist.reduce_scatter_tensor(out, x.contiguous(), group=self.groups.intra, async_op=True)
+        strategy_g, inter = self.strategy.g, self.groups.inter
+
+        def finish() -> None:
+            if work is not None:
+                work.wait()
+            y = _reduce_scatter(out, inter) if strategy_g == G else out
+            g_acc.add_(y)
+
+        return finish
 
     def sync_grad(self) -> None:
         """Accumulation boundary: bring the accumulated gradients (already means over ranks) to os's layout."""

@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import logging
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -39,6 +40,10 @@ class _Unit:
         self.module = module
         self.buffers = buffers
         self.backward_unsharded = False
+
+    def gather(self) -> None:
+        for b in self.buffers:
+            b.unshard()
 
     def set_views(self) -> None:
         for b in self.buffers:
@@ -90,6 +95,16 @@ class ParoShardedModule(nn.Module):
         self._units = self._build_units(module, wrap_policy)
         self._sync_gradients = True
         self._in_backward = False
+        self._pending_reduce: list[Callable[[], None]] = []
+        # forward prefetch (p = I, G): units in forward order, learnt on the first forward; one helper thread
+        # gathers the next unit's parameters while the current one computes (the main thread issues no
+        # collective during forward, so every rank sees the same order on each group)
+        self._order: list[_Unit] = []
+        self._order_known = False
+        self._prefetched: dict[int, Future[None]] = {}
+        self.prefetches = 0
+        """Parameter gathers started ahead of their unit's forward (for tests and profiling)."""
+        self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="paro-prefetch") if self.strategy.p != N else None
         masters = [b.master for u in self._units for b in u.buffers if b.master is not None]
         self._masters = nn.ParameterList(masters)
         for u in self._units:
@@ -142,16 +157,40 @@ class ParoShardedModule(nn.Module):
                     values.append(p.detach())
                     offset += p.numel()
                     del m._parameters[name]
-                buffers.append(FlatBuffer(slots, values, self.strategy, self.groups, trainable, self.param_dtype))
+                buffers.append(
+                    FlatBuffer(slots, values, self.strategy, self.groups, trainable, self.param_dtype, self._grad_ready)
+                )
             units.append(_Unit(block, buffers))
         return units
 
     # ------------------------------------------------------------------------------------------------- hooks
     def _make_pre_forward(self, unit: _Unit) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
+            pending = self._prefetched.pop(id(unit), None)
+            if pending is not None:
+                pending.result()
             unit.set_views()
+            if not self._order_known:
+                self._order.append(unit)
+            else:
+                i = next((j for j, u in enumerate(self._order) if u is unit), len(self._order))
+                if i + 1 < len(self._order):
+                    self._prefetch(self._order[i + 1])
 
         return hook
+
+    def _prefetch(self, unit: _Unit) -> None:
+        if self._prefetcher is not None and id(unit) not in self._prefetched:
+            self._prefetched[id(unit)] = self._prefetcher.submit(unit.gather)
+            self.prefetches += 1
+
+    def _drain_prefetch(self) -> None:
+        """Waits for prefetches the forward did not use (e.g. a unit skipped this time) and frees them."""
+        for key, fut in list(self._prefetched.items()):
+            fut.result()
+            unit = next(u for u in self._units if id(u) == key)
+            unit.reshard()
+        self._prefetched.clear()
 
     def _make_post_forward(self, unit: _Unit) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
@@ -183,14 +222,24 @@ class ParoShardedModule(nn.Module):
             self._in_backward = True
             Variable._execution_engine.queue_callback(self._end_backward)
 
+    def _grad_ready(self, buffer: FlatBuffer, grad: torch.Tensor) -> None:
+        """A unit's gradient is complete: finish the previous unit's reduction, start this one's."""
+        self._finish_reductions()
+        self._pending_reduce.append(buffer.start_reduce(grad))
+
+    def _finish_reductions(self) -> None:
+        while self._pending_reduce:
+            self._pending_reduce.pop(0)()
+
     def _end_backward(self) -> None:
         """Runs once when autograd finishes: reduce unused buffers, reshard, and sync at the boundary."""
         self._in_backward = False
+        self._finish_reductions()
         for u in self._units:
             u.backward_unsharded = False
             for b in u.buffers:
                 if b.trainable and not b.grad_ready:  # unused this step: reduce zeros so every rank agrees
-                    b.reduce_grad(torch.zeros(b.padded, dtype=b.param_dtype))
+                    b.start_reduce(torch.zeros(b.padded, dtype=b.param_dtype))()
                 b.grad_ready = False
                 b.forget_full()
         if self._sync_gradients:
@@ -208,7 +257,13 @@ class ParoShardedModule(nn.Module):
                     b.sync_params()
         root = self._units[-1]
         root.set_views()
-        out = self.module(*args, **kwargs)
+        if self._order_known and self._order:
+            self._prefetch(self._order[0])
+        try:
+            out = self.module(*args, **kwargs)
+        finally:
+            self._drain_prefetch()
+        self._order_known = True
         if self.strategy.p != N:
             root.reshard()
         self._register_pre_backward(root, out)

@@ -123,6 +123,8 @@ def main() -> None:
                 assert abs(norm - ref_norms[step]) < 1e-5 * ref_norms[step], (code, norm, ref_norms[step])
             opt.step()
             opt.zero_grad()
+        if model.strategy.p != "N":  # the second block's parameters were gathered while the first computed
+            assert model.prefetches >= STEPS * ACCUM - 1, model.prefetches
         got = model.state_dict()
         assert got.keys() == want.keys(), (sorted(got), sorted(want))
         worst = max((got[k].float() - want[k]).abs().max().item() for k in want)
