@@ -25,8 +25,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from paro_torch import _C
 from paro_torch._flat import FlatBuffer, G, I, N, ParamSlot
-from paro_torch.api import MixedPrecision
 from paro_torch._groups import ParoGroups, _default_group_size, build_groups
+from paro_torch.api import MixedPrecision
 
 logger = logging.getLogger("paro_torch")
 

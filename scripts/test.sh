@@ -4,6 +4,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 PY=${PYTHON:-python3}
+# DeepSpeed (CPU accelerator) for the ZeRO-3-on-paro test; no prebuilt ops
+DS_BUILD_OPS=0 $PY -m pip install -q 'deepspeed>=0.18,<0.20'
 echo "== lint"
 cargo fmt --all --check
 cargo clippy -p paro-core --all-targets -- -D warnings

@@ -31,6 +31,11 @@ def test_frameworks_train_like_one_process(framework: str) -> None:
     assert_ok(launch("frameworks.py", 4, env={"PARO_GROUP_SIZE": "2"}, args=(framework,)))
 
 
+def test_deepspeed_zero3_trains_like_one_process() -> None:
+    pytest.importorskip("deepspeed")
+    assert_ok(launch("deepspeed_zero3.py", 4, env={"PARO_GROUP_SIZE": "2"}))
+
+
 def test_frameworks_on_four_groups() -> None:
     assert_ok(launch("frameworks.py", 8, env={"PARO_GROUP_SIZE": "2"}, args=("hsdp",)))
 
