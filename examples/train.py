@@ -8,6 +8,7 @@ all ranks (IIG). Each step prints the loss, the step time and the bytes this ran
 """
 
 import argparse
+import logging
 import time
 from pathlib import Path
 
@@ -63,7 +64,9 @@ def corpus() -> torch.Tensor:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--strategy", default="IIG", help="a PaRO code (IIG, NII, ...) or alias (zero3, hsdp, ddp)")
+    parser.add_argument(
+        "--strategy", default="IIG", help="a PaRO code (IIG, NII, ...), an alias (zero3, hsdp, ddp) or auto"
+    )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--grad-accum", type=int, default=2)
     parser.add_argument("--micro-batch", type=int, default=4)
@@ -72,10 +75,16 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args()
 
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = ParoShardedModule(TinyLM(256, args.dim, args.layers, 4, args.seq), args.strategy, wrap_policy={Block})
+    model = ParoShardedModule(
+        TinyLM(256, args.dim, args.layers, 4, args.seq),
+        args.strategy,
+        wrap_policy={Block},
+        grad_accum=args.grad_accum,  # for strategy="auto": the cost model weighs per-micro-step traffic by it
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     levels = [pg for pg in (model.groups.intra, model.groups.inter) if pg is not None]
     data = corpus()

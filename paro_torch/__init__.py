@@ -11,6 +11,7 @@ from paro_torch import _C  # noqa: F401  (the compiled core)
 from paro_torch._backend import CommStats, ParoBackendOptions, comm_stats, register, reset_comm_stats
 from paro_torch._C import ALIASES, STRATEGIES, InvalidStrategyError, Strategy, TopologyError
 from paro_torch.api import MixedPrecision
+from paro_torch.auto import LinkCalibration, calibrate
 from paro_torch.sharded_module import ParoShardedModule
 
 register()
@@ -20,11 +21,13 @@ __all__ = [
     "STRATEGIES",
     "CommStats",
     "InvalidStrategyError",
+    "LinkCalibration",
     "MixedPrecision",
     "ParoBackendOptions",
     "ParoShardedModule",
     "Strategy",
     "TopologyError",
+    "calibrate",
     "comm_stats",
     "register",
     "reset_comm_stats",

@@ -124,7 +124,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(_format(report))
+        print(format_report(report))
     return 0
 
 
@@ -236,7 +236,7 @@ def _trainable(text: str) -> dict[str, float | int]:
     return {"fraction": float(match.group(1))}
 
 
-def _format(report: dict[str, Any]) -> str:
+def format_report(report: dict[str, Any]) -> str:
     """The report as a table, one row per strategy, then the choice and the notes."""
     model = report["model"]
     lines = [

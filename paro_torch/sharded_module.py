@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -27,10 +28,49 @@ from paro_torch import _C
 from paro_torch._flat import FlatBuffer, G, I, N, ParamSlot
 from paro_torch._groups import ParoGroups, _default_group_size, build_groups
 from paro_torch.api import MixedPrecision
+from paro_torch.auto import LinkCalibration, choose_strategy, default_memory_budget, measure_links
+from paro_torch.cli import format_report
 
 logger = logging.getLogger("paro_torch")
 
 WrapPolicy = set[type[nn.Module]] | Callable[[nn.Module], bool] | None
+
+
+_Entry = tuple[str, nn.Module, str, nn.Parameter]  # (fqn, owning module, attribute name, parameter)
+
+
+def _assign_units(module: nn.Module, policy: WrapPolicy) -> list[tuple[nn.Module, list[_Entry]]]:
+    """Each unit's module and parameters: wrapped blocks (inner first), then the root with the rest."""
+
+    def wraps(m: nn.Module) -> bool:
+        if policy is None or m is module:
+            return False
+        return isinstance(m, tuple(policy)) if isinstance(policy, set) else bool(policy(m))
+
+    owner: dict[int, nn.Module] = {}
+    blocks: list[nn.Module] = [module]
+
+    def visit(prefix: str, m: nn.Module, unit: nn.Module) -> None:
+        for name, p in m.named_parameters(recurse=False):
+            if id(p) in owner:
+                raise ValueError(
+                    f"parameter {prefix}{name} is shared between modules; paro_torch shards each parameter "
+                    "once: untie it or keep the sharing modules in one unit"
+                )
+            owner[id(p)] = unit
+        for name, child in m.named_children():
+            inner = child if wraps(child) else unit
+            if inner is child:
+                blocks.append(child)
+            visit(prefix + name + ".", child, inner)
+
+    visit("", module, module)
+    by_unit: dict[int, list[_Entry]] = {id(b): [] for b in blocks}
+    for mod_name, m in module.named_modules(remove_duplicate=False):
+        for name, p in list(m.named_parameters(recurse=False)):
+            fqn = f"{mod_name}.{name}" if mod_name else name
+            by_unit[id(owner[id(p)])].append((fqn, m, name, p))
+    return [(b, by_unit[id(b)]) for b in reversed(blocks)]
 
 
 class _Unit:
@@ -61,13 +101,18 @@ class ParoShardedModule(nn.Module):
 
     Args:
         module: The model. Parameters must be floating point; they are moved into flat buffers.
-        strategy: A code ("IIG", "PaRO-NIG") or alias ("zero3", "hsdp", "ddp", ...).
+        strategy: A code ("IIG", "PaRO-NIG"), an alias ("zero3", "hsdp", "ddp", ...) or "auto": measure the
+            links, and take the fastest strategy that fits ``memory_budget`` per the cost model.
         group_size: Ranks per group; default PARO_GROUP_SIZE, else torchrun's LOCAL_WORLD_SIZE, else all.
         process_groups: An ``(intra, inter)`` pair of process groups instead of ``group_size``.
         device_mesh: A 2-D mesh (inter, intra) instead of ``group_size``.
         wrap_policy: Module classes (or a predicate) whose instances become units, each with its own buffers.
         mixed_precision: Low-precision parameters and gradients for compute and communication (e.g.
             ``MixedPrecision(param_dtype=torch.bfloat16)``); masters and optimizer states stay float32.
+        memory_budget: Bytes per rank for model states (auto, and a check for an explicit strategy);
+            default: the GPU's free memory, or the host's memory shared by one group's ranks.
+        grad_accum: Micro-steps per optimizer step, for the cost model.
+        calibration: Link figures for auto (a LinkCalibration or a JSON path; also PARO_CALIBRATION).
 
     Raises:
         InvalidStrategyError: unknown or eliminated strategy. TopologyError: sizes that do not fit.
@@ -84,15 +129,43 @@ class ParoShardedModule(nn.Module):
         device_mesh: DeviceMesh | None = None,
         wrap_policy: WrapPolicy = None,
         mixed_precision: MixedPrecision | None = None,
+        memory_budget: int | None = None,
+        grad_accum: int = 1,
+        calibration: LinkCalibration | str | None = None,
     ) -> None:
         super().__init__()
         param_dtype = mixed_precision.param_dtype if mixed_precision is not None else torch.float32
         m = _requested_group_size(group_size, process_groups, device_mesh)
-        self.strategy = _validate_everywhere(module, strategy, m, param_dtype)
+        auto = strategy.strip().lower() == "auto"
+        parsed = _validate_everywhere(module, strategy, m, param_dtype)
         self.groups: ParoGroups = build_groups(m, process_groups, device_mesh)
         self.param_dtype = param_dtype
         self.module = module
-        self._units = self._build_units(module, wrap_policy)
+        assignments = _assign_units(module, wrap_policy)
+        blocks = [
+            (sum(e[3].numel() for e in es), sum(e[3].numel() for e in es if e[3].requires_grad))
+            for _, es in assignments
+        ]
+        self.plan: dict[str, Any] | None = None
+        """The cost model's report behind ``strategy="auto"`` (every strategy's memory, bytes, time)."""
+        if auto or memory_budget is not None:
+            budget = memory_budget if memory_budget is not None else default_memory_budget(self.groups.group_size)
+            links = _links(calibration, self.groups) if auto else LinkCalibration(1e10, 1e9, 1e-5, 1e-5)
+            code, self.plan = choose_strategy(
+                blocks,
+                self.groups,
+                links=links,
+                memory_budget=budget,
+                grad_accum=grad_accum,
+                param_bytes=param_dtype.itemsize,
+                only=None if auto else parsed.code if parsed else None,
+            )
+            if auto and self.groups.rank == 0:
+                logger.info("paro: strategy='auto'\n%s", format_report(self.plan))
+            parsed = _C.Strategy(code)
+        assert parsed is not None
+        self.strategy = parsed
+        self._units = self._build_units(assignments)
         self._sync_gradients = True
         self._in_backward = False
         self._pending_reduce: list[Callable[[], None]] = []
@@ -113,39 +186,9 @@ class ParoShardedModule(nn.Module):
                 u.module.register_forward_hook(self._make_post_forward(u))
 
     # ------------------------------------------------------------------------------------------ construction
-    def _build_units(self, module: nn.Module, policy: WrapPolicy) -> list[_Unit]:
-        def wraps(m: nn.Module) -> bool:
-            if policy is None or m is module:
-                return False
-            return isinstance(m, tuple(policy)) if isinstance(policy, set) else bool(policy(m))
-
-        owner: dict[int, nn.Module] = {}
-        blocks: list[tuple[str, nn.Module]] = [("", module)]
-
-        def visit(prefix: str, m: nn.Module, unit: nn.Module) -> None:
-            for name, p in m.named_parameters(recurse=False):
-                if id(p) in owner:
-                    raise ValueError(
-                        f"parameter {prefix}{name} is shared between modules; paro_torch shards each parameter "
-                        "once: untie it or keep the sharing modules in one unit"
-                    )
-                owner[id(p)] = unit
-            for name, child in m.named_children():
-                if wraps(child):
-                    blocks.append((prefix + name, child))
-                    visit(prefix + name + ".", child, child)
-                else:
-                    visit(prefix + name + ".", child, unit)
-
-        visit("", module, module)
-        by_unit: dict[int, list[tuple[str, nn.Module, str, nn.Parameter]]] = {id(b): [] for _, b in blocks}
-        for mod_name, m in module.named_modules(remove_duplicate=False):
-            for name, p in list(m.named_parameters(recurse=False)):
-                fqn = f"{mod_name}.{name}" if mod_name else name
-                by_unit[id(owner[id(p)])].append((fqn, m, name, p))
+    def _build_units(self, assignments: list[tuple[nn.Module, list[_Entry]]]) -> list[_Unit]:
         units = []
-        for _, block in reversed(blocks):  # inner units first, root last
-            entries = by_unit[id(block)]
+        for block, entries in assignments:
             buffers = []
             for trainable in (True, False):
                 chosen = [e for e in entries if e[3].requires_grad == trainable]
@@ -169,6 +212,9 @@ class ParoShardedModule(nn.Module):
             pending = self._prefetched.pop(id(unit), None)
             if pending is not None:
                 pending.result()
+            else:  # not prefetched (first forward, or the order changed): no gather may run beside ours
+                for fut in self._prefetched.values():
+                    fut.result()
             unit.set_views()
             if not self._order_known:
                 self._order.append(unit)
@@ -358,7 +404,7 @@ def _requested_group_size(
     return group_size if group_size is not None else _default_group_size(dist.get_world_size())
 
 
-def _validate_everywhere(module: nn.Module, strategy: str, group_size: int, dtype: torch.dtype) -> _C.Strategy:
+def _validate_everywhere(module: nn.Module, strategy: str, group_size: int, dtype: torch.dtype) -> _C.Strategy | None:
     """Checks the configuration on every rank and compares it across ranks before any other collective.
 
     Every rank takes part in one exchange even when its own input is bad, so a bad rank never leaves the
@@ -368,7 +414,8 @@ def _validate_everywhere(module: nn.Module, strategy: str, group_size: int, dtyp
     error: Exception | None = None
     parsed = None
     try:
-        parsed = _C.Strategy(strategy)
+        if strategy.strip().lower() != "auto":
+            parsed = _C.Strategy(strategy)
         _C.check_topology(world, group_size)
         for name, p in module.named_parameters():
             if not p.is_floating_point():
@@ -376,7 +423,11 @@ def _validate_everywhere(module: nn.Module, strategy: str, group_size: int, dtyp
                                  "parameters only: register it as a buffer instead")  # fmt: skip
     except (ValueError, TypeError) as e:
         error = e
-    desc = [f"strategy={parsed.code if parsed else strategy}", f"group_size={group_size}", f"dtype={dtype}"]
+    desc = [
+        f"strategy={parsed.code if parsed else strategy.strip().lower()}",
+        f"group_size={group_size}",
+        f"dtype={dtype}",
+    ]
     desc += [f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for n, p in module.named_parameters()]
     digest = hashlib.sha256("\n".join(desc).encode()).digest()
     mine = torch.tensor([*digest[:16], int(error is not None)], dtype=torch.int64)
@@ -396,5 +447,12 @@ def _validate_everywhere(module: nn.Module, strategy: str, group_size: int, dtyp
             f"dtype or model structure (this rank: {', '.join(desc[:3])}); build the same model with the same "
             "arguments on every rank"
         )
-    assert parsed is not None
     return parsed
+
+
+def _links(calibration: LinkCalibration | str | None, groups: ParoGroups) -> LinkCalibration:
+    """Link figures: given, read from a file (argument or PARO_CALIBRATION), else measured now."""
+    if isinstance(calibration, LinkCalibration):
+        return calibration
+    path = calibration or os.environ.get("PARO_CALIBRATION")
+    return LinkCalibration.load(path) if path else measure_links(groups)

@@ -49,3 +49,7 @@ def test_bad_input_fails_on_every_rank(case: str, message: str) -> None:
     assert any(message in r.output for r in results), [r.output[-500:] for r in results]
     for r in results:
         assert "Error" in r.output, r.output[-500:]
+
+
+def test_auto_measures_chooses_and_agrees() -> None:
+    assert_ok(launch("engine_auto.py", 4, env={"PARO_GROUP_SIZE": "2"}))

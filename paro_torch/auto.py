@@ -1,0 +1,160 @@
+"""``strategy="auto"``: measure the links, ask the Rust cost model, agree on one strategy on every rank.
+
+The probe times all-gathers of two sizes on the intra-group and the inter-group communicator (a few
+milliseconds on CPU): the small one gives the latency per ring step, the difference gives the bandwidth.
+Rank 0 decides; every rank uses its decision.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from paro_torch import _C
+from paro_torch._groups import ParoGroups, build_groups
+
+logger = logging.getLogger("paro_torch")
+
+_NO_LINK = 1e15  # bandwidth of a level that has a single rank (nothing crosses it)
+
+
+@dataclass(frozen=True)
+class LinkCalibration:
+    """Measured per-rank bandwidth (bytes/s) and per-step latency (s) of both levels."""
+
+    intra_bandwidth: float
+    inter_bandwidth: float
+    intra_latency: float
+    inter_latency: float
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Writes the figures as JSON (reuse them with ``PARO_CALIBRATION=path``)."""
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> LinkCalibration:
+        """Reads figures written by ``save``."""
+        try:
+            return cls(**json.loads(Path(path).read_text()))
+        except (OSError, TypeError, ValueError) as e:
+            raise ValueError(f"cannot read link calibration {path}: {e}; rerun paro_torch.calibrate()") from e
+
+
+def _time_all_gather(pg: dist.ProcessGroup, nbytes: int, repeats: int) -> float:
+    k = dist.get_world_size(pg)
+    x = torch.zeros(max(nbytes // (4 * k), 1))
+    out = torch.empty(x.numel() * k)
+    dist.all_gather_into_tensor(out, x, group=pg)  # warm-up: connections, allocations
+    times = []
+    for _ in range(repeats):
+        dist.barrier(group=pg)
+        start = time.perf_counter()
+        dist.all_gather_into_tensor(out, x, group=pg)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def _level(pg: dist.ProcessGroup | None, small: int, large: int, repeats: int) -> tuple[float, float]:
+    """(bandwidth, latency) of one level from two all-gather sizes."""
+    if pg is None:
+        return _NO_LINK, 0.0
+    k = dist.get_world_size(pg)
+    t_small = _time_all_gather(pg, small, repeats)
+    t_large = _time_all_gather(pg, large, repeats)
+    steps = k - 1
+    per_rank_bytes = (large - small) * steps / k
+    bandwidth = per_rank_bytes / max(t_large - t_small, 1e-9)
+    return bandwidth, t_small / steps
+
+
+def measure_links(groups: ParoGroups, small: int = 4 << 10, large: int = 1 << 20, repeats: int = 3) -> LinkCalibration:
+    """Measures both levels; every rank returns the same (slowest-rank) figures."""
+    intra_bw, intra_lat = _level(groups.intra, small, large, repeats)
+    inter_bw, inter_lat = _level(groups.inter, small, large, repeats)
+    # agree on the pessimistic figures: max latency, min bandwidth over ranks
+    t = torch.tensor([intra_lat, inter_lat, -intra_bw, -inter_bw], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups.whole)
+    return LinkCalibration(
+        intra_bandwidth=float(-t[2]), inter_bandwidth=float(-t[3]), intra_latency=float(t[0]), inter_latency=float(t[1])
+    )
+
+
+def calibrate(path: str | os.PathLike[str] | None = None, group_size: int | None = None) -> LinkCalibration:
+    """Measures the links of this job's topology; rank 0 writes them to ``path`` when given."""
+    links = measure_links(build_groups(group_size))
+    if path is not None and dist.get_rank() == 0:
+        links.save(path)
+    return links
+
+
+def default_memory_budget(group_size: int) -> int:
+    """Free GPU memory on CUDA machines; otherwise the host's memory shared by the ranks of one group."""
+    if torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info()
+        return int(free)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(group_size, 1)
+
+
+def choose_strategy(
+    blocks: list[tuple[int, int]],
+    groups: ParoGroups,
+    *,
+    links: LinkCalibration,
+    memory_budget: int,
+    grad_accum: int,
+    param_bytes: int,
+    only: str | None = None,
+) -> tuple[str, dict[str, Any]]:
+    """Rank 0 asks the cost model for the fastest strategy that fits; every rank gets the same answer.
+
+    With ``only``, checks that this one strategy fits instead of choosing.
+
+    Raises:
+        ValueError: nothing (or ``only``) fits the memory budget, raised on every rank, with what it needs.
+    """
+    request = {
+        "model": {"blocks": [{"numel": n, "trainable": t} for n, t in blocks]},
+        "cluster": {
+            "world": groups.world,
+            "group_size": groups.group_size,
+            "intra_bandwidth": links.intra_bandwidth,
+            "inter_bandwidth": links.inter_bandwidth,
+            "intra_latency": links.intra_latency,
+            "inter_latency": links.inter_latency,
+            "memory_bytes": memory_budget,
+        },
+        "training": {
+            "grad_accum": grad_accum,
+            "param_bytes": param_bytes,
+            "grad_bytes": param_bytes,
+            "optimizer_bytes": 8 if param_bytes == 4 else 12,
+        },
+        "collectives": "hierarchical",
+    }
+    if only is not None:
+        request["strategies"] = [only]
+    report = json.loads(_C.estimate(json.dumps(request)))
+    codes = _C.STRATEGIES
+    choice = report["choice"]
+    index = torch.tensor([codes.index(choice["code"]) if choice else -1], dtype=torch.int64)
+    dist.broadcast(index, src=0, group=groups.whole)  # rank 0 decides
+    if index.item() < 0 and only is not None:
+        need = report["strategies"][0]["memory"]["total"]
+        raise ValueError(
+            f"strategy {only} needs {need / 1e9:.3f} GB per rank but memory_budget is {memory_budget / 1e9:.3f} GB; "
+            "choose a finer strategy (e.g. strategy='auto'), use more ranks or raise memory_budget."
+        )
+    if index.item() < 0:
+        raise ValueError(
+            f"strategy='auto' found no strategy that fits {memory_budget / 1e9:.2f} GB per rank: {report['reason']}. "
+            "Raise memory_budget, use more ranks per group or a smaller model."
+        )
+    return codes[int(index.item())], report

@@ -1,0 +1,79 @@
+"""strategy="auto": a bounded link probe, the cost model's choice on every rank, clear errors when nothing fits."""
+
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+from engine import Block, make
+
+import paro_torch
+from paro_torch import ParoShardedModule
+from paro_torch._groups import build_groups
+from paro_torch.auto import LinkCalibration, measure_links
+
+
+def agree(code: str) -> None:
+    """Asserts every rank chose the same strategy."""
+    mine = torch.tensor([paro_torch.STRATEGIES.index(code)])
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    assert all(int(x) == int(mine) for x in everyone), everyone
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    groups = build_groups()
+    pgs = (groups.intra, groups.inter)
+
+    start = time.perf_counter()
+    links = measure_links(groups)
+    probe = time.perf_counter() - start
+    assert probe < 2.0, f"the link probe took {probe:.2f}s"
+    assert links.intra_bandwidth > 0 and links.inter_bandwidth > 0, links
+
+    # a generous budget: the cost model's fastest strategy, the same on every rank
+    model = ParoShardedModule(make("plain"), "auto", process_groups=pgs, wrap_policy={Block}, memory_budget=10**9)
+    assert model.plan is not None and model.strategy.code == model.plan["choice"]["code"]
+    agree(model.strategy.code)
+
+    # a budget that rules DDP (NNN) out
+    need = {s["code"]: s["memory"]["total"] for s in model.plan["strategies"]}
+    budget = (min(need.values()) + need["NNN"]) // 2
+    tight = ParoShardedModule(make("plain"), "auto", process_groups=pgs, wrap_policy={Block}, memory_budget=budget,
+                              calibration=links)  # fmt: skip
+    assert need[tight.strategy.code] <= budget and need["NNN"] > budget, (tight.strategy.code, budget)
+    agree(tight.strategy.code)
+
+    # figures saved by calibrate() and read back through PARO_CALIBRATION give the same plan
+    path = os.path.join(tempfile.gettempdir(), f"paro-calibration-{os.environ['MASTER_PORT']}.json")
+    saved = paro_torch.calibrate(path, group_size=groups.group_size)
+    dist.barrier()
+    assert LinkCalibration.load(path) == saved
+    os.environ["PARO_CALIBRATION"] = path
+    again = ParoShardedModule(make("plain"), "auto", process_groups=pgs, wrap_policy={Block}, memory_budget=budget)
+    del os.environ["PARO_CALIBRATION"]
+    direct = ParoShardedModule(make("plain"), "auto", process_groups=pgs, wrap_policy={Block}, memory_budget=budget,
+                               calibration=saved)  # fmt: skip
+    assert again.plan == direct.plan
+
+    # nothing fits / the requested strategy does not fit: an error on every rank, naming the fix
+    for strategy, limit, message in [("auto", 1000, "found no strategy that fits"), ("ddp", budget, "needs")]:
+        try:
+            ParoShardedModule(make("plain"), strategy, process_groups=pgs, wrap_policy={Block}, memory_budget=limit,
+                              calibration=links)  # fmt: skip
+        except ValueError as e:
+            assert message in str(e), e
+        else:
+            raise AssertionError(f"{strategy} with {limit} bytes was accepted")
+    if rank == 0:
+        print(f"auto OK: probe {probe * 1e3:.0f} ms, chose {model.strategy.code}, then {tight.strategy.code}")
+    dist.destroy_process_group()
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
