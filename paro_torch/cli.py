@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from paro_torch import _C
+from paro_torch._report import format_report
 
 GB = 1e9
 """Bytes per GB as the report prints it (decimal, as in the paper's tables)."""
@@ -234,54 +235,6 @@ def _trainable(text: str) -> dict[str, float | int]:
     if match.group(2) or Decimal(match.group(1)) > 1:
         return {"count": _count(text)}
     return {"fraction": float(match.group(1))}
-
-
-def format_report(report: dict[str, Any]) -> str:
-    """The report as a table, one row per strategy, then the choice and the notes."""
-    model = report["model"]
-    lines = [
-        f"model: {model['params'] / GB:.2f}B parameters, {model['trainable'] / GB:.3g}B trainable, "
-        f"in {_plural(model['blocks'], 'block')}",
-        f"cluster: {report['world']} ranks = {report['groups']} groups x {report['group_size']}, "
-        f"{report['memory_budget'] / GB:.1f} GB per rank, {report['collectives']} collectives, "
-        f"{_plural(report['grad_accum'], 'micro-step')} per step",
-        "",
-    ]
-    header = ("strategy", "known as", "memory/rank", "intra/step", "inter/step", "comm/step", "fits")
-    rows = [
-        (
-            s["code"],
-            s["known_as"] or "",
-            f"{s['memory']['total'] / GB:.1f} GB",
-            f"{s['intra_bytes'] / GB:.2f} GB",
-            f"{s['inter_bytes'] / GB:.2f} GB",
-            _seconds(s["time_s"]),
-            "yes" if s["fits"] else "no",
-        )
-        for s in report["strategies"]
-    ]
-    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
-    for row in (header, *rows):
-        cells = [cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))]
-        lines.append("  ".join(cells).rstrip())
-    lines.append("")
-    lines.append(f"auto: {report['reason']}")
-    lines.extend(f"note: {note}" for note in report["notes"])
-    return "\n".join(lines)
-
-
-def _plural(count: int, noun: str) -> str:
-    """``1 block``, ``2 blocks``."""
-    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
-
-
-def _seconds(t: float) -> str:
-    """Seconds with a unit that keeps about three significant digits."""
-    if t >= 1:
-        return f"{t:.2f} s"
-    if t >= 1e-3:
-        return f"{t * 1e3:.1f} ms"
-    return f"{t * 1e6:.1f} µs"
 
 
 if __name__ == "__main__":

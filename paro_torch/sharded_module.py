@@ -27,9 +27,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from paro_torch import _C
 from paro_torch._flat import FlatBuffer, G, I, N, ParamSlot
 from paro_torch._groups import ParoGroups, _default_group_size, build_groups
+from paro_torch._report import format_report
 from paro_torch.api import MixedPrecision
 from paro_torch.auto import LinkCalibration, choose_strategy, default_memory_budget, measure_links
-from paro_torch.cli import format_report
 
 logger = logging.getLogger("paro_torch")
 
