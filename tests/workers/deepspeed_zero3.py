@@ -8,7 +8,7 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
-from frameworks import BATCH, STEPS, make_model  # noqa: E402
+from frameworks import BATCH, STEPS, make_model, train_reference  # noqa: E402
 
 import paro_torch  # noqa: E402
 
@@ -16,16 +16,7 @@ import paro_torch  # noqa: E402
 def main() -> None:
     dist.init_process_group("paro")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(1)
-    x = torch.randn(world * BATCH, 12)
-    y = torch.randn(world * BATCH, 3)
-    ref = make_model()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for _ in range(STEPS):
-        ref_opt.zero_grad()
-        nn.functional.mse_loss(ref(x), y).backward()
-        ref_opt.step()
-
+    x, y, ref = train_reference(world)
     model = make_model()
     config = {
         "train_micro_batch_size_per_gpu": BATCH,

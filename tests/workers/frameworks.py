@@ -64,22 +64,26 @@ def full_params(framework: str, model: nn.Module) -> list[torch.Tensor]:
     return out
 
 
-def main() -> None:
-    framework = sys.argv[1]
-    dist.init_process_group("paro")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    group_size = paro_torch._backend.resolve_group_size(world)
+def train_reference(world: int) -> tuple[torch.Tensor, torch.Tensor, nn.Module]:
+    """The global batch and the model trained on it by one process with SGD."""
     torch.manual_seed(1)
     x = torch.randn(world * BATCH, 12)
     y = torch.randn(world * BATCH, 3)
-
     ref = make_model()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for _ in range(STEPS):
         ref_opt.zero_grad()
         nn.functional.mse_loss(ref(x), y).backward()
         ref_opt.step()
+    return x, y, ref
 
+
+def main() -> None:
+    framework = sys.argv[1]
+    dist.init_process_group("paro")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group_size = paro_torch._backend.resolve_group_size(world)
+    x, y, ref = train_reference(world)
     model, groups = wrap(framework, copy.deepcopy(make_model()), world, group_size)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     xs, ys = x[rank * BATCH : (rank + 1) * BATCH], y[rank * BATCH : (rank + 1) * BATCH]
