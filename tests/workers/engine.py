@@ -1,6 +1,6 @@
 """ParoShardedModule with every strategy trains to the parameters of single-process training.
 
-Usage: engine.py VARIANT [STRATEGY ...]; VARIANT in plain, frozen, lora, clip, bf16, mesh.
+Usage: engine.py VARIANT[,VARIANT...] [STRATEGY ...]; VARIANT in plain, frozen, lora, clip, bf16, mesh.
 """
 
 import sys
@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import paro_torch
 from paro_torch import ParoShardedModule
-from paro_torch._groups import build_groups
+from paro_torch._groups import ParoGroups, build_groups
 
 STEPS, ACCUM, BATCH, DIM, VOCAB, SEQ = 4, 2, 2, 16, 32, 6
 
@@ -82,11 +82,9 @@ def train_reference(variant: str, data: list[list[torch.Tensor]]) -> tuple[nn.Mo
     return ref, norms
 
 
-def main() -> None:
-    variant, strategies = sys.argv[1], sys.argv[2:] or paro_torch.STRATEGIES
-    dist.init_process_group("gloo")
+def check_variant(variant: str, strategies: list[str], groups: ParoGroups) -> None:
+    """Trains every strategy on one variant of the model and compares it with one process."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    groups = build_groups()
     g = torch.Generator().manual_seed(1)
     data = [
         [torch.randint(0, VOCAB, (world * BATCH, SEQ + 1), generator=g) for _ in range(ACCUM)] for _ in range(STEPS)
@@ -131,6 +129,14 @@ def main() -> None:
         assert worst < tol, f"{code} ({variant}): parameters differ from single-process training by {worst:.3g}"
         if rank == 0:
             print(f"{code} {variant}: max |diff| {worst:.2e}", flush=True)
+
+
+def main() -> None:
+    variants, strategies = sys.argv[1].split(","), sys.argv[2:] or paro_torch.STRATEGIES
+    dist.init_process_group("gloo")
+    groups = build_groups()
+    for variant in variants:
+        check_variant(variant, strategies, groups)
     dist.destroy_process_group()
 
 
