@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from paro_torch import _C
+from paro_torch._backend import resolve_group_size
 
 
 @dataclass(frozen=True)
@@ -45,13 +45,6 @@ class ParoGroups:
         return self.rank % self.group_size
 
 
-def _default_group_size(world: int) -> int:
-    for name in ("PARO_GROUP_SIZE", "LOCAL_WORLD_SIZE"):
-        if os.environ.get(name):
-            return int(os.environ[name])
-    return world
-
-
 def build_groups(
     group_size: int | None = None,
     process_groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] | None = None,
@@ -85,7 +78,7 @@ def build_groups(
                 f"inter {g}; pass (intra, inter) with intra = ranks k*m..k*m+m-1 and inter = ranks r, r+m, ..."
             )
         return ParoGroups(world, m, rank, intra if m > 1 else None, inter if g > 1 else None, dist.group.WORLD)
-    m = group_size if group_size is not None else _default_group_size(world)
+    m = group_size if group_size is not None else resolve_group_size(world)
     _C.check_topology(world, m)
     g = world // m
     backend = "paro"

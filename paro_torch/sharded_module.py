@@ -25,8 +25,9 @@ from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 
 from paro_torch import _C
+from paro_torch._backend import resolve_group_size
 from paro_torch._flat import FlatBuffer, G, I, N, ParamSlot
-from paro_torch._groups import ParoGroups, _default_group_size, build_groups
+from paro_torch._groups import ParoGroups, build_groups
 from paro_torch._report import format_report
 from paro_torch.api import MixedPrecision
 from paro_torch.auto import LinkCalibration, choose_strategy, default_memory_budget, measure_links
@@ -401,7 +402,7 @@ def _requested_group_size(
         return device_mesh.size(device_mesh.ndim - 1)
     if process_groups is not None:
         return dist.get_world_size(process_groups[0]) if process_groups[0] is not None else 1
-    return group_size if group_size is not None else _default_group_size(dist.get_world_size())
+    return group_size if group_size is not None else resolve_group_size(dist.get_world_size())
 
 
 def _validate_everywhere(module: nn.Module, strategy: str, group_size: int, dtype: torch.dtype) -> _C.Strategy | None:
