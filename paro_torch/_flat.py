@@ -148,6 +148,14 @@ class FlatBuffer:
             out[i_lo:i_hi].copy_(shard)
         _all_gather(out, out[i_lo:i_hi], g.intra)
 
+    def overlaps(self, lo: int, hi: int) -> list[tuple[ParamSlot, int, int]]:
+        """(slot, start, stop) of every parameter's part inside [lo, hi) of the padded buffer (may be empty)."""
+        out = []
+        for s in self.slots:
+            start = max(lo, s.offset)
+            out.append((s, start, max(start, min(hi, s.offset + s.numel))))
+        return out
+
     def views(self) -> list[torch.Tensor]:
         """The original parameters as views of the whole buffer (call after unshard)."""
         full = self.full if self.full is not None else self.p_shard

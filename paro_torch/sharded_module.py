@@ -25,6 +25,7 @@ from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 
 from paro_torch import _C
+from paro_torch._agree import raise_together
 from paro_torch._backend import resolve_group_size
 from paro_torch._flat import FlatBuffer, G, I, N, ParamSlot
 from paro_torch._groups import ParoGroups, build_groups
@@ -362,6 +363,38 @@ class ParoShardedModule(nn.Module):
         """The full state dict (see ``full_state_dict``): whole parameters under the wrapped module's names."""
         return self.full_state_dict()
 
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Loads whole parameters (as ``full_state_dict`` returns them); call on every rank with the same values.
+
+        Each rank copies the slices it holds, then the parameter shards are synced from the masters.
+        """
+        buffers = [b for u in self._units for b in u.buffers]
+        shapes = {s.fqn: s.shape for b in buffers for s in b.slots}
+        missing = sorted(set(shapes) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(shapes))
+        differ = sorted(k for k in set(shapes) & set(state_dict) if state_dict[k].shape != shapes[k])
+        if missing or unexpected or differ:
+            raise ValueError(
+                f"state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}, "
+                f"other shapes {differ[:5]}; pass the full_state_dict() of the same model"
+            )
+        with torch.no_grad():
+            for b in buffers:
+                held = b.master.detach() if b.master is not None else b.p_shard.detach()
+                lo = b.range(self.strategy.os)[0] if b.master is not None else b.p_lo
+                for s, start, stop in b.overlaps(lo, lo + held.numel()):
+                    flat = state_dict[s.fqn].detach().reshape(-1)
+                    held[start - lo : stop - lo].copy_(flat[start - s.offset : stop - s.offset])
+                if b.master is not None:
+                    b.sync_params()
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+        """Loads a full state dict (see ``load_full_state_dict``); ``strict`` and ``assign`` are not supported."""
+        if not strict or assign:
+            raise ValueError("ParoShardedModule.load_state_dict supports strict=True, assign=False only")
+        self.load_full_state_dict(dict(state_dict))
+        return nn.modules.module._IncompatibleKeys([], [])
+
     def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Bytes this rank holds persistently for parameters, gradient accumulators and optimizer states."""
         params = sum(b.p_shard.numel() * b.p_shard.element_size() for u in self._units for b in u.buffers)
@@ -431,17 +464,8 @@ def _validate_everywhere(module: nn.Module, strategy: str, group_size: int, dtyp
     ]
     desc += [f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for n, p in module.named_parameters()]
     digest = hashlib.sha256("\n".join(desc).encode()).digest()
-    mine = torch.tensor([*digest[:16], int(error is not None)], dtype=torch.int64)
-    everyone = torch.empty(world * 17, dtype=torch.int64)
-    dist.all_gather_into_tensor(everyone, mine)
-    everyone = everyone.view(world, 17)
-    if error is not None:
-        raise error
-    failed = [r for r in range(world) if everyone[r, 16] != 0]
-    if failed:
-        raise ValueError(f"ranks {failed} rejected the ParoShardedModule configuration (see their errors); "
-                         "fix it there: every rank must pass the same valid arguments")  # fmt: skip
-    differ = [r for r in range(world) if not torch.equal(everyone[r, :16], everyone[0, :16])]
+    everyone = raise_together(error, "the ParoShardedModule configuration", torch.tensor([*digest[:16]]), ValueError)
+    differ = [r for r in range(world) if not torch.equal(everyone[r], everyone[0])]
     if differ:
         raise ValueError(
             f"ranks disagree on the configuration: ranks {differ} differ from rank 0 in strategy, group size, "

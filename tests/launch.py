@@ -67,8 +67,9 @@ def launch(
     return results
 
 
-def assert_ok(results: list[RankResult]) -> None:
-    """Fails with every failing rank's output."""
+def assert_ok(results: list[RankResult]) -> str:
+    """Fails with every failing rank's output; returns rank 0's output."""
     bad = [r for r in results if r.returncode != 0]
     if bad:
         raise AssertionError("\n".join(f"--- rank {r.rank} exited {r.returncode}:\n{r.output[-4000:]}" for r in bad))
+    return results[0].output

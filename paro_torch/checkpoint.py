@@ -1,0 +1,288 @@
+"""Sharded checkpoints of a ParoShardedModule and its optimizer through torch.distributed.checkpoint (DCP).
+
+Layout, independent of the strategy, the group size and the world size (so loading reshards):
+
+- ``model.<name>``: each parameter flattened to 1-D (its shape is kept in ``paro.json``); trainable ones as
+  their float32 masters;
+- ``optim.<name>.<state>``: optimizer states shaped like the parameters (Adam's ``exp_avg``...), also 1-D, and
+  scalar states (``step``) once per parameter;
+- ``optim.param_groups``: the hyperparameters of each param group.
+
+Every rank declares the slices of its optimizer-state shard (frozen parameters: its parameter shard); DCP
+writes one copy of slices that several ranks hold. A save goes to ``<path>.partial`` and rank 0 renames it
+to ``path`` after every rank has written its part and ``paro.json`` marks it complete, so an interrupted save
+never appears under ``path``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from paro_torch._agree import raise_together
+from paro_torch._flat import FlatBuffer
+from paro_torch.sharded_module import ParoShardedModule
+
+MARKER = "paro.json"
+FORMAT = 1
+
+
+def _buffers(model: ParoShardedModule) -> list[FlatBuffer]:
+    return [b for u in model._units for b in u.buffers]
+
+
+def _held(b: FlatBuffer) -> tuple[torch.Tensor, int]:
+    """The tensor a rank saves and loads for a buffer, and where it starts in the padded buffer."""
+    if b.master is not None:
+        return b.master.detach(), b.range(b.strategy.os)[0]
+    return b.p_shard.detach(), b.p_lo
+
+
+def _pieces(local: torch.Tensor, lo: int, b: FlatBuffer, prefix: str, suffix: str = "") -> dict[str, torch.Tensor]:
+    """One DCP entry per parameter: ``local`` (covering [lo, lo + len) of ``b``) with the chunk it holds."""
+    out = {}
+    for s, start, stop in b.overlaps(lo, lo + local.numel()):
+        t = local.detach()  # a new tensor object per entry, sharing the storage
+        t.global_shape = (s.numel,)  # type: ignore[attr-defined]
+        chunks = ((start - s.offset,),) if stop > start else ()
+        t.global_offsets = chunks  # type: ignore[attr-defined]
+        t.local_offsets = ((start - lo,),) if chunks else ()  # type: ignore[attr-defined]
+        t.local_sizes = ((stop - start,),) if chunks else ()  # type: ignore[attr-defined]
+        out[f"{prefix}{s.fqn}{suffix}"] = t
+    return out
+
+
+def _model_entries(model: ParoShardedModule) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for b in _buffers(model):
+        out.update(_pieces(*_held(b), b, "model."))
+    return out
+
+
+def _optimizer_entries(model: ParoShardedModule, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    _check_optimizer(model, optimizer)
+    out: dict[str, Any] = {}
+    for b in _buffers(model):
+        if b.master is None:
+            continue
+        master, lo = _held(b)
+        for name, v in optimizer.state.get(b.master, {}).items():
+            if torch.is_tensor(v) and v.dim() == 1 and v.shape == master.shape:
+                out.update(_pieces(v, lo, b, "optim.", f".{name}"))
+            else:  # scalars ("step") and other objects: the same on every rank that holds the buffer
+                out.update({f"optim.{s.fqn}.{name}": v for s in b.slots})
+    # a tuple is one object for DCP (a list of dicts would be flattened into entries)
+    out["optim.param_groups"] = tuple({k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups)
+    return out
+
+
+def _check_optimizer(model: ParoShardedModule, optimizer: torch.optim.Optimizer) -> None:
+    mine = {id(p) for p in model.parameters()}
+    if any(id(p) not in mine for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError(
+            "the optimizer holds tensors that are not this ParoShardedModule's parameters; build it on "
+            "model.parameters() (the sharded masters), after wrapping the model"
+        )
+
+
+def save_checkpoint(
+    path: str | os.PathLike[str], model: ParoShardedModule, optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """Saves the model's parameters (and the optimizer's state) as a sharded DCP checkpoint; call on every rank.
+
+    Each rank writes only what it holds; the checkpoint loads into any strategy and world size
+    (``load_checkpoint``). ``path`` is a directory on a file system every rank can reach.
+    """
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    rank = dist.get_rank()
+    error = None
+    try:
+        entries = _model_entries(model)
+        if optimizer is not None:
+            entries.update(_optimizer_entries(model, optimizer))
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+    except (ValueError, OSError) as e:
+        error = e
+    raise_together(error, "save_checkpoint")
+    dcp.save(entries, storage_writer=dcp.FileSystemWriter(partial))
+    dist.barrier()
+    if rank == 0:
+        marker = {
+            "format": FORMAT,
+            "strategy": model.strategy.code,
+            "world_size": dist.get_world_size(),
+            "group_size": model.groups.group_size,
+            "optimizer": optimizer is not None,
+            "params": {s.fqn: list(s.shape) for b in _buffers(model) for s in b.slots},
+        }
+        (partial / MARKER).write_text(json.dumps(marker, indent=1))
+        old = path.with_name(path.name + ".old")
+        if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            path.rename(old)
+        partial.rename(path)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str], model: ParoShardedModule, optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """Loads a checkpoint written by ``save_checkpoint`` into ``model`` (and ``optimizer``); call on every rank.
+
+    The checkpoint may come from another strategy, group size or world size: each rank reads the slices its
+    shards cover. Raises on every rank, before reading any tensor, if the checkpoint is incomplete or does
+    not match the model.
+    """
+    path = Path(path)
+    error = None
+    entries: dict[str, Any] = {}
+    states: dict[int, dict[str, torch.Tensor | str]] = {}
+    try:
+        marker = _read_marker(path)
+        metadata = dcp.FileSystemReader(path).read_metadata()
+        _check_compatible(model, marker, metadata, path)
+        entries = _model_entries(model)
+        if optimizer is not None:
+            _check_optimizer(model, optimizer)
+            if not marker.get("optimizer"):
+                raise ValueError(f"checkpoint {path} has no optimizer state; load it with optimizer=None")
+            _check_optimizer_state(model, metadata, path)
+            optim_entries, states = _fresh_optimizer_entries(model, optimizer, metadata)
+            entries.update(optim_entries)
+    except (ValueError, OSError) as e:
+        error = e
+    raise_together(error, "load_checkpoint")
+    dcp.load(entries, storage_reader=dcp.FileSystemReader(path))
+    if optimizer is not None:
+        _install_optimizer_state(model, optimizer, entries, states)
+    with torch.no_grad():
+        for b in _buffers(model):
+            if b.master is not None:
+                b.sync_params()
+
+
+def _read_marker(path: Path) -> dict[str, Any]:
+    if not (path / MARKER).is_file() or not (path / ".metadata").is_file():
+        partial = path.with_name(path.name + ".partial")
+        hint = f" ({partial} is an interrupted save)" if partial.exists() else ""
+        raise FileNotFoundError(
+            f"{path} is not a complete paro_torch checkpoint: {MARKER} or .metadata is missing{hint}; "
+            "load an earlier checkpoint, or save again"
+        )
+    marker = json.loads((path / MARKER).read_text())
+    if marker.get("format") != FORMAT:
+        raise ValueError(f"checkpoint {path} has format {marker.get('format')}; this paro_torch reads {FORMAT}")
+    return marker
+
+
+def _check_compatible(model: ParoShardedModule, marker: dict[str, Any], metadata: Metadata, path: Path) -> None:
+    saved: dict[str, list[int]] = marker["params"]
+    mine = {s.fqn: list(s.shape) for b in _buffers(model) for s in b.slots}
+    missing = sorted(set(mine) - set(saved))
+    unexpected = sorted(set(saved) - set(mine))
+    common = set(mine) & set(saved)
+    differ = sorted(f"{k}: checkpoint {saved[k]}, model {mine[k]}" for k in common if saved[k] != mine[k])
+    if missing or unexpected or differ:
+        parts = [
+            f"{label} ({len(v)}): {', '.join(v[:5])}{', ...' if len(v) > 5 else ''}"
+            for label, v in (("missing in checkpoint", missing), ("not in model", unexpected), ("shape", differ))
+            if v
+        ]
+        raise ValueError(
+            f"checkpoint {path} does not match the model: {'; '.join(parts)}; load it into the model it was "
+            "saved from (same architecture and configuration)"
+        )
+
+
+def _check_optimizer_state(model: ParoShardedModule, metadata: Metadata, path: Path) -> None:
+    """Either no trainable parameter has optimizer state (saved before the first step) or all have."""
+    keys = {k.rsplit(".", 1)[0] for k in metadata.state_dict_metadata if k.startswith("optim.")}
+    trainable = [s.fqn for b in _buffers(model) if b.master is not None for s in b.slots]
+    absent = [fqn for fqn in trainable if f"optim.{fqn}" not in keys]
+    if absent and len(absent) < len(trainable):
+        raise ValueError(
+            f"checkpoint {path} has no optimizer state for {', '.join(absent[:5])}: they were frozen when it "
+            "was saved; freeze the same parameters, or load with optimizer=None"
+        )
+
+
+def _fresh_optimizer_entries(
+    model: ParoShardedModule, optimizer: torch.optim.Optimizer, metadata: Metadata
+) -> tuple[dict[str, Any], dict[int, dict[str, torch.Tensor | str]]]:
+    """Load targets for the optimizer states in the checkpoint, shaped for this rank's masters.
+
+    Returns the DCP entries and, per master, each state's tensor (loaded in place) or its entry's key
+    (scalars and objects, read back from the entries after loading).
+    """
+    md = metadata.state_dict_metadata
+    entries: dict[str, Any] = {"optim.param_groups": None}
+    states: dict[int, dict[str, torch.Tensor | str]] = {}
+    for b in _buffers(model):
+        if b.master is None:
+            continue
+        master, lo = _held(b)
+        first = f"optim.{b.slots[0].fqn}."
+        state: dict[str, torch.Tensor | str] = {}
+        for key, kind in md.items():
+            if not key.startswith(first) or "." in key[len(first) :]:
+                continue
+            name = key[len(first) :]
+            if isinstance(kind, TensorStorageMetadata) and len(kind.size) == 1:
+                state[name] = torch.zeros_like(master, dtype=kind.properties.dtype)
+                entries.update(_pieces(state[name], lo, b, "optim.", f".{name}"))
+            else:
+                state[name] = key
+                entries[key] = (
+                    torch.zeros(kind.size, dtype=kind.properties.dtype)
+                    if isinstance(kind, TensorStorageMetadata)
+                    else None
+                )
+        states[id(b.master)] = state
+    return entries, states
+
+
+def _install_optimizer_state(
+    model: ParoShardedModule,
+    optimizer: torch.optim.Optimizer,
+    entries: dict[str, Any],
+    states: dict[int, dict[str, torch.Tensor | str]],
+) -> None:
+    groups = entries["optim.param_groups"]
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"the checkpoint's optimizer has {len(groups)} param groups, this one {len(optimizer.param_groups)}; "
+            "build the optimizer with the same groups"
+        )
+    for b in _buffers(model):
+        if b.master is not None:
+            optimizer.state[b.master] = {
+                name: entries[v] if isinstance(v, str) else v for name, v in states[id(b.master)].items()
+            }
+    for group, saved in zip(optimizer.param_groups, groups, strict=True):
+        group.update(saved)
+
+
+def export_safetensors(
+    model: ParoShardedModule, path: str | os.PathLike[str], dtype: torch.dtype | None = None
+) -> None:
+    """Writes the whole model (float32 masters, or ``dtype``) as one safetensors file on rank 0; call on every rank."""
+    from safetensors.torch import save_file
+
+    full = model.full_state_dict()
+    if dist.get_rank() == 0:
+        tensors = {k: (v.to(dtype) if dtype is not None else v).contiguous() for k, v in full.items()}
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path), metadata={"format": "pt", "paro_strategy": model.strategy.code})
+    dist.barrier()
