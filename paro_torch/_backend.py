@@ -69,8 +69,23 @@ def resolve_group_size(world_size: int, options: ParoBackendOptions | None = Non
         if value is not None:
             if value < 1:
                 raise _C.TopologyError(f"{source}={value}: the group size must be at least 1")
+            check_node_layout(value, source)
             return value
     return world_size
+
+
+def check_node_layout(group_size: int, source: str = "group_size") -> None:
+    """Under torchrun, a group must lie inside one node or cover whole nodes (LOCAL_WORLD_SIZE ranks each).
+
+    Otherwise some "intra-group" traffic crosses the slow inter-node links and some groups share a node.
+    """
+    local = _env_int("LOCAL_WORLD_SIZE")
+    if local is not None and local % group_size != 0 and group_size % local != 0:
+        raise _C.TopologyError(
+            f"{source}={group_size} does not match torchrun's layout of {local} ranks per node "
+            f"(LOCAL_WORLD_SIZE): groups would straddle nodes; use a divisor of {local} (groups inside a node) "
+            f"or a multiple of it (groups of whole nodes)"
+        )
 
 
 def _options(backend_options: Any) -> ParoBackendOptions | None:

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from paro_torch import _C
 from paro_torch._agree import raise_together
-from paro_torch._backend import resolve_group_size
+from paro_torch._backend import check_node_layout, resolve_group_size
 from paro_torch._flat import FlatBuffer, G, I, N, ParamSlot
 from paro_torch._groups import ParoGroups, build_groups
 from paro_torch._report import format_report
@@ -451,6 +451,7 @@ def _validate_everywhere(module: nn.Module, strategy: str, group_size: int, dtyp
         if strategy.strip().lower() != "auto":
             parsed = _C.Strategy(strategy)
         _C.check_topology(world, group_size)
+        check_node_layout(group_size)
         for name, p in module.named_parameters():
             if not p.is_floating_point():
                 raise ValueError(f"parameter {name} has dtype {p.dtype}; paro_torch shards floating-point "

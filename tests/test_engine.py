@@ -49,5 +49,13 @@ def test_bad_input_fails_on_every_rank(case: str, message: str) -> None:
         assert "Error" in r.output, r.output[-500:]
 
 
+def test_groups_must_match_the_torchrun_layout() -> None:
+    """6 ranks as 2 torchrun nodes of 3: groups of 2 would straddle the nodes, and every rank says so."""
+    results = launch("engine_errors.py", 6, env={"LOCAL_WORLD_SIZE": "3"}, args=("layout",), timeout=120)
+    assert_ok(results)
+    for r in results:
+        assert "does not match torchrun's layout of 3 ranks per node" in r.output, r.output[-500:]
+
+
 def test_auto_measures_chooses_and_agrees() -> None:
     assert_ok(launch("engine_auto.py", 4, env={"PARO_GROUP_SIZE": "2"}))
