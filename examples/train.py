@@ -1,10 +1,12 @@
-"""Train a small decoder-only transformer with PaRO-DP (ParoShardedModule) on CPU ranks.
+"""Train a small LLaMA with PaRO-DP (ParoShardedModule) on CPU ranks, the strategy chosen by the cost model.
 
-    PARO_GROUP_SIZE=2 torchrun --standalone --nproc-per-node 4 examples/train.py --strategy IIG
+    PARO_GROUP_SIZE=2 torchrun --standalone --nproc-per-node 4 examples/train.py --strategy auto
 
-4 ranks as 2 groups of 2: parameters and gradients are sharded inside each group, optimizer states across
-all ranks (IIG). Each step prints the loss, the step time and the bytes this rank sent inside its group
-(intra) and between groups (inter), as counted by the `paro` backend.
+4 ranks as 2 groups of 2 (on a cluster: PARO_GROUP_SIZE defaults to torchrun's ranks per node). The model
+is a LlamaForCausalLM from a small config (random weights, nothing downloaded) trained on the bytes of this
+repository's documentation. Each step prints the loss, the step time and the bytes this rank sent inside its
+group (intra) and between groups (inter), as counted by the `paro` backend. ``--checkpoint DIR`` saves a
+sharded checkpoint at the end and resumes from it when it exists (at any world size and strategy).
 """
 
 import argparse
@@ -14,45 +16,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from tqdm import tqdm
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import paro_torch
 from paro_torch import ParoShardedModule
-
-
-class Block(nn.Module):
-    """Pre-norm attention + MLP block (causal)."""
-
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.n1, self.n2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
-        self.out = nn.Linear(dim, dim, bias=False)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.n1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.out(att.transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp(self.n2(x))
-
-
-class TinyLM(nn.Module):
-    def __init__(self, vocab: int, dim: int, layers: int, heads: int, seq: int) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.pos = nn.Parameter(torch.zeros(seq, dim))
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
-        self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.embed(idx) + self.pos[: idx.shape[1]]
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
+from paro_torch.checkpoint import load_checkpoint, save_checkpoint
 
 
 def corpus() -> torch.Tensor:
@@ -64,28 +34,39 @@ def corpus() -> torch.Tensor:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--strategy", default="IIG", help="a PaRO code (IIG, NII, ...), an alias (zero3, hsdp, ddp) or auto"
-    )
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--strategy", default="auto", help="auto, a PaRO code (IIG, NII, ...) or an alias (zero3)")
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--grad-accum", type=int, default=2)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--checkpoint", type=Path, help="a directory: resume from it if it exists, save at the end")
     args = parser.parse_args()
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256,  # bytes
+        hidden_size=args.dim,
+        intermediate_size=4 * args.dim,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=args.seq,
+        tie_word_embeddings=False,  # ParoShardedModule shards each parameter once
+    )
     model = ParoShardedModule(
-        TinyLM(256, args.dim, args.layers, 4, args.seq),
+        LlamaForCausalLM(config),
         args.strategy,
-        wrap_policy={Block},
+        wrap_policy={LlamaDecoderLayer},  # one unit (flat buffer, gather, reduce) per decoder layer
         grad_accum=args.grad_accum,  # for strategy="auto": the cost model weighs per-micro-step traffic by it
     )
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    if args.checkpoint is not None and args.checkpoint.exists():
+        load_checkpoint(args.checkpoint, model, opt)
     levels = [pg for pg in (model.groups.intra, model.groups.inter) if pg is not None]
     data = corpus()
     gen = torch.Generator().manual_seed(rank)
@@ -93,19 +74,19 @@ def main() -> None:
         g = model.groups
         print(f"{model.strategy.code} on {world} ranks = {g.num_groups} groups x {g.group_size}; "
               f"{sum(p.numel() for p in model.parameters())} parameters in this rank's optimizer shard")  # fmt: skip
-    for step in range(args.steps):
+    bar = tqdm(range(args.steps), desc="train", disable=rank != 0, dynamic_ncols=True)
+    for step in bar:
         for pg in levels:
             paro_torch.reset_comm_stats(pg)
         start = time.perf_counter()
         total = torch.zeros(())
         for micro in range(args.grad_accum):
-            starts = torch.randint(0, data.numel() - args.seq - 1, (args.micro_batch,), generator=gen)
-            batch = torch.stack([data[s : s + args.seq + 1] for s in starts])
-            ctx = model.no_sync() if micro < args.grad_accum - 1 else torch.enable_grad()
-            with ctx:
-                logits = model(batch[:, :-1])
-                loss = nn.functional.cross_entropy(logits.reshape(-1, 256), batch[:, 1:].reshape(-1))
-                (loss / args.grad_accum).backward()
+            starts = torch.randint(0, data.numel() - args.seq, (args.micro_batch,), generator=gen)
+            batch = torch.stack([data[s : s + args.seq] for s in starts])
+            sync = micro == args.grad_accum - 1  # reduce gradients across groups on the last micro-step only
+            model.set_requires_gradient_sync(sync)
+            loss = model(input_ids=batch, labels=batch).loss  # the model shifts the labels
+            (loss / args.grad_accum).backward()
             total += loss.detach() / args.grad_accum
         model.clip_grad_norm_(1.0)
         opt.step()
@@ -114,9 +95,14 @@ def main() -> None:
         intra = paro_torch.comm_stats(model.groups.intra).intra_bytes if model.groups.intra is not None else 0
         inter = paro_torch.comm_stats(model.groups.inter).inter_bytes if model.groups.inter is not None else 0
         dist.all_reduce(total)
+        bar.set_postfix(loss=f"{total.item() / world:.3f}")
         if rank == 0:
-            print(f"step {step:3d}  loss {total.item() / world:.4f}  {elapsed:.2f}s  "
-                  f"intra {intra / 1e6:.2f} MB  inter {inter / 1e6:.3f} MB", flush=True)  # fmt: skip
+            bar.write(f"step {step:3d}  loss {total.item() / world:.4f}  {elapsed:.2f}s  "
+                      f"intra {intra / 1e6:.2f} MB  inter {inter / 1e6:.3f} MB")  # fmt: skip
+    if args.checkpoint is not None:
+        save_checkpoint(args.checkpoint, model, opt)
+        if rank == 0:
+            print(f"saved {args.checkpoint}")
     dist.destroy_process_group()
 
 
