@@ -7,7 +7,7 @@ intra-group collective and I→G an inter-group one among ranks of equal local r
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,8 @@ class ParamSlot:
     shape: torch.Size
     offset: int
     numel: int
+    aliases: list[tuple[nn.Module, str, str]] = field(default_factory=list)
+    """Other (module, attribute, fqn) that share the parameter (tied weights)."""
 
 
 def _reduce_scatter(x: torch.Tensor, pg: dist.ProcessGroup | None) -> torch.Tensor:

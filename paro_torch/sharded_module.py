@@ -54,24 +54,26 @@ def _assign_units(module: nn.Module, policy: WrapPolicy) -> list[tuple[nn.Module
 
     def visit(prefix: str, m: nn.Module, unit: nn.Module) -> None:
         for name, p in m.named_parameters(recurse=False):
-            if id(p) in owner:
+            if owner.setdefault(id(p), unit) is not unit:
                 raise ValueError(
-                    f"parameter {prefix}{name} is shared between modules; paro_torch shards each parameter "
-                    "once: untie it or keep the sharing modules in one unit"
+                    f"parameter {prefix}{name} is shared between modules of different units; paro_torch shards "
+                    "each parameter in one unit: keep the sharing modules in one unit (adjust wrap_policy) or untie it"
                 )
-            owner[id(p)] = unit
         for name, child in m.named_children():
             inner = child if wraps(child) else unit
-            if inner is child:
+            if inner is child and all(b is not child for b in blocks):
                 blocks.append(child)
             visit(prefix + name + ".", child, inner)
 
     visit("", module, module)
     by_unit: dict[int, list[_Entry]] = {id(b): [] for b in blocks}
+    seen: set[tuple[int, str]] = set()
     for mod_name, m in module.named_modules(remove_duplicate=False):
         for name, p in list(m.named_parameters(recurse=False)):
-            fqn = f"{mod_name}.{name}" if mod_name else name
-            by_unit[id(owner[id(p)])].append((fqn, m, name, p))
+            if (id(m), name) not in seen:  # a module reachable by two paths holds its parameters once
+                seen.add((id(m), name))
+                fqn = f"{mod_name}.{name}" if mod_name else name
+                by_unit[id(owner[id(p)])].append((fqn, m, name, p))
     return [(b, by_unit[id(b)]) for b in reversed(blocks)]
 
 
@@ -92,6 +94,8 @@ class _Unit:
             b.unshard()
             for slot, view in zip(b.slots, b.views(), strict=True):
                 setattr(slot.module, slot.name, view)
+                for module, name, _ in slot.aliases:
+                    setattr(module, name, view)
 
     def reshard(self) -> None:
         for b in self.buffers:
@@ -144,10 +148,8 @@ class ParoShardedModule(nn.Module):
         self.param_dtype = param_dtype
         self.module = module
         assignments = _assign_units(module, wrap_policy)
-        blocks = [
-            (sum(e[3].numel() for e in es), sum(e[3].numel() for e in es if e[3].requires_grad))
-            for _, es in assignments
-        ]
+        unique = [list({id(e[3]): e[3] for e in es}.values()) for _, es in assignments]
+        blocks = [(sum(p.numel() for p in ps), sum(p.numel() for p in ps if p.requires_grad)) for ps in unique]
         self.plan: dict[str, Any] | None = None
         """The cost model's report behind ``strategy="auto"`` (every strategy's memory, bytes, time)."""
         if auto or memory_budget is not None:
@@ -196,11 +198,16 @@ class ParoShardedModule(nn.Module):
                 chosen = [e for e in entries if e[3].requires_grad == trainable]
                 if not chosen:
                     continue
-                slots, values, offset = [], [], 0
+                slots: list[ParamSlot] = []
+                values, offset, first = [], 0, {}
                 for fqn, m, name, p in chosen:
-                    slots.append(ParamSlot(m, name, fqn, p.shape, offset, p.numel()))
-                    values.append(p.detach())
-                    offset += p.numel()
+                    if id(p) in first:  # tied: one slot, viewed under every name
+                        first[id(p)].aliases.append((m, name, fqn))
+                    else:
+                        first[id(p)] = ParamSlot(m, name, fqn, p.shape, offset, p.numel())
+                        slots.append(first[id(p)])
+                        values.append(p.detach())
+                        offset += p.numel()
                     del m._parameters[name]
                 buffers.append(
                     FlatBuffer(slots, values, self.strategy, self.groups, trainable, self.param_dtype, self._grad_ready)
@@ -357,6 +364,8 @@ class ParoShardedModule(nn.Module):
                 values = b.full_values()
                 for s in b.slots:
                     out[s.fqn] = values[s.offset : s.offset + s.numel].view(s.shape).clone()
+                    for _, _, alias in s.aliases:
+                        out[alias] = out[s.fqn]
         return out
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
@@ -370,8 +379,9 @@ class ParoShardedModule(nn.Module):
         """
         buffers = [b for u in self._units for b in u.buffers]
         shapes = {s.fqn: s.shape for b in buffers for s in b.slots}
+        aliases = {a[2] for b in buffers for s in b.slots for a in s.aliases}
         missing = sorted(set(shapes) - set(state_dict))
-        unexpected = sorted(set(state_dict) - set(shapes))
+        unexpected = sorted(set(state_dict) - set(shapes) - aliases)
         differ = sorted(k for k in set(shapes) & set(state_dict) if state_dict[k].shape != shapes[k])
         if missing or unexpected or differ:
             raise ValueError(

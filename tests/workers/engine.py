@@ -1,6 +1,6 @@
 """ParoShardedModule with every strategy trains to the parameters of single-process training.
 
-Usage: engine.py VARIANT[,VARIANT...] [STRATEGY ...]; VARIANT in plain, frozen, lora, clip, bf16, mesh.
+Usage: engine.py VARIANT[,VARIANT...] [STRATEGY ...]; VARIANT in plain, frozen, lora, tied, clip, bf16, mesh.
 """
 
 import sys
@@ -58,6 +58,8 @@ def make(variant: str) -> nn.Module:
     if variant == "frozen":  # about a quarter of the parameters frozen, some inside a block
         for p in [model.embed.weight, model.blocks[0].mlp[0].weight, model.blocks[1].proj.bias]:
             p.requires_grad_(False)
+    if variant == "tied":  # the output projection shares the embedding (both in the root unit)
+        model.head.weight = model.embed.weight
     if variant == "lora":
         for name, p in model.named_parameters():
             p.requires_grad_("lora" in name)
