@@ -39,6 +39,7 @@ def test_memory_and_bytes_equal_the_cost_model(world: int, group_size: int) -> N
         ("disagree_group_size", "ranks disagree"),
         ("disagree_model", "ranks disagree"),
         ("int_param", "floating-point"),
+        ("tied_across_units", "shared between modules of different units"),
     ],
 )
 def test_bad_input_fails_on_every_rank(case: str, message: str) -> None:

@@ -30,6 +30,9 @@ def main() -> None:
     elif case == "disagree_model":
         if rank == 1:
             model = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 2))
+    elif case == "tied_across_units":
+        model[1].weight = model[0].weight  # in two units: each Linear is one
+        kwargs["wrap_policy"] = {nn.Linear}
     elif case == "int_param":
         if rank == 0:  # only one rank is wrong: the others must still fail, not wait
             model.register_parameter("step", nn.Parameter(torch.zeros(1, dtype=torch.int64), requires_grad=False))
