@@ -280,7 +280,7 @@ def export_safetensors(
     """Writes the whole model (float32 masters, or ``dtype``) as one safetensors file on rank 0; call on every rank."""
     from safetensors.torch import save_file
 
-    full = model.full_state_dict()
+    full = model.full_state_dict(rank0_only=True)
     if dist.get_rank() == 0:
         tensors = {k: (v.to(dtype) if dtype is not None else v).contiguous() for k, v in full.items()}
         Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -356,12 +356,19 @@ class ParoShardedModule(nn.Module):
             g.mul_(coef)
         return norm
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter whole (masters in float32 for trainable ones), under its original name, on every rank."""
-        out = {}
+    def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """Every parameter whole (masters in float32 for trainable ones), under its original name.
+
+        Call on every rank. With ``rank0_only`` the other ranks return an empty dict and hold one buffer at a
+        time while gathering (as FSDP's ``rank0_only``), for saving models that do not fit one rank twice.
+        """
+        out: dict[str, torch.Tensor] = {}
+        keep = not rank0_only or self.groups.rank == 0
         for u in self._units:
             for b in u.buffers:
                 values = b.full_values()
+                if not keep:
+                    continue
                 for s in b.slots:
                     out[s.fqn] = values[s.offset : s.offset + s.numel].view(s.shape).clone()
                     for _, _, alias in s.aliases:
