@@ -64,7 +64,7 @@ class FlatBuffer:
         on_grad_ready: Callable[[FlatBuffer, torch.Tensor], None] | None = None,
     ) -> None:
         self.slots = slots
-        self.on_grad_ready = on_grad_ready or (lambda b, grad: b.start_reduce(grad)())
+        self.on_grad_ready = on_grad_ready or (lambda b, grad: b.reduce(grad))
         self.strategy = strategy
         self.groups = groups
         self.trainable = trainable
@@ -169,33 +169,22 @@ class FlatBuffer:
         assert full.grad is not None
         grad, full.grad = full.grad, None
         self.reshard()
+        self.grad_ready = True
         self.on_grad_ready(self, grad)
 
-    def start_reduce(self, grad: torch.Tensor) -> Callable[[], None]:
-        """One micro-step: starts reducing the whole-buffer gradient to g's layout (spec §5.1).
+    def reduce(self, grad: torch.Tensor) -> None:
+        """One micro-step: reduces the whole-buffer gradient to g's layout and accumulates it (spec §5.1).
 
-        The intra-group reduce-scatter runs asynchronously; the returned function waits for it, runs the
-        inter-group step for g = G, and accumulates. The engine calls it when the next gradient is ready, so
-        the reduction of one unit overlaps the backward of the unit before it.
+        Nothing for g = N, an intra-group reduce-scatter for I, then an inter-group one for G. The engine runs
+        it on its communication thread, so it overlaps the backward of the units before this one.
         """
         assert self.g_acc is not None
-        g_acc = self.g_acc
-        x = grad.to(g_acc.dtype) / self.groups.world  # pre-divide: sums of n ranks stay in range (fp16)
-        self.grad_ready = True
-        if self.strategy.g == N or self.groups.intra is None:
-            work, out = None, x
-        else:
-            out = torch.empty(x.numel() // self.groups.group_size, dtype=x.dtype)
-            work = dist.reduce_scatter_tensor(out, x.contiguous(), group=self.groups.intra, async_op=True)
-        strategy_g, inter = self.strategy.g, self.groups.inter
-
-        def finish() -> None:
-            if work is not None:
-                work.wait()
-            y = _reduce_scatter(out, inter) if strategy_g == G else out
-            g_acc.add_(y)
-
-        return finish
+        x = grad.to(self.g_acc.dtype) / self.groups.world  # pre-divide: sums of n ranks stay in range (fp16)
+        if self.strategy.g != N:
+            x = _reduce_scatter(x.contiguous(), self.groups.intra)
+        if self.strategy.g == G:
+            x = _reduce_scatter(x, self.groups.inter)
+        self.g_acc.add_(x)
 
     def sync_grad(self) -> None:
         """Accumulation boundary: bring the accumulated gradients (already means over ranks) to os's layout."""

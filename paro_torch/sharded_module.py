@@ -84,6 +84,7 @@ class _Unit:
         self.module = module
         self.buffers = buffers
         self.backward_unsharded = False
+        self.needs_backward = False  # an output of this forward requires grad
 
     def gather(self) -> None:
         for b in self.buffers:
@@ -172,16 +173,17 @@ class ParoShardedModule(nn.Module):
         self._units = self._build_units(assignments)
         self._sync_gradients = True
         self._in_backward = False
-        self._pending_reduce: list[Callable[[], None]] = []
-        # forward prefetch (p = I, G): units in forward order, learnt on the first forward; one helper thread
-        # gathers the next unit's parameters while the current one computes (the main thread issues no
-        # collective during forward, so every rank sees the same order on each group)
+        # [Note: one communication thread] Every collective of forward and backward (parameter gathers,
+        # gradient reductions) runs on one helper thread, in the order the main thread submits them, which is
+        # the same on every rank; the main thread computes meanwhile. Gathers run one unit ahead (prefetch):
+        # in forward order during forward, in reverse during backward; the order is learnt on the first forward.
+        self._comm = ThreadPoolExecutor(1, thread_name_prefix="paro-comm")
+        self._pending_reduce: list[Future[None]] = []
         self._order: list[_Unit] = []
         self._order_known = False
         self._prefetched: dict[int, Future[None]] = {}
         self.prefetches = 0
-        """Parameter gathers started ahead of their unit's forward (for tests and profiling)."""
-        self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="paro-prefetch") if self.strategy.p != N else None
+        """Parameter gathers started ahead of their unit's forward or backward (for tests and profiling)."""
         masters = [b.master for u in self._units for b in u.buffers if b.master is not None]
         self._masters = nn.ParameterList(masters)
         for u in self._units:
@@ -218,12 +220,7 @@ class ParoShardedModule(nn.Module):
     # ------------------------------------------------------------------------------------------------- hooks
     def _make_pre_forward(self, unit: _Unit) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
-            pending = self._prefetched.pop(id(unit), None)
-            if pending is not None:
-                pending.result()
-            else:  # not prefetched (first forward, or the order changed): no gather may run beside ours
-                for fut in self._prefetched.values():
-                    fut.result()
+            self._gather_now(unit)
             unit.set_views()
             if not self._order_known:
                 self._order.append(unit)
@@ -234,13 +231,20 @@ class ParoShardedModule(nn.Module):
 
         return hook
 
+    def _gather_now(self, unit: _Unit) -> None:
+        """Waits for the unit's parameters: its prefetch, or a gather queued now behind the pending collectives."""
+        if self.strategy.p == N:
+            return
+        pending = self._prefetched.pop(id(unit), None)
+        (pending or self._comm.submit(unit.gather)).result()
+
     def _prefetch(self, unit: _Unit) -> None:
-        if self._prefetcher is not None and id(unit) not in self._prefetched:
-            self._prefetched[id(unit)] = self._prefetcher.submit(unit.gather)
+        if self.strategy.p != N and id(unit) not in self._prefetched:
+            self._prefetched[id(unit)] = self._comm.submit(unit.gather)
             self.prefetches += 1
 
     def _drain_prefetch(self) -> None:
-        """Waits for prefetches the forward did not use (e.g. a unit skipped this time) and frees them."""
+        """Waits for prefetches that were not used (e.g. a unit skipped this time) and frees them."""
         for key, fut in list(self._prefetched.items()):
             fut.result()
             unit = next(u for u in self._units if id(u) == key)
@@ -264,13 +268,24 @@ class ParoShardedModule(nn.Module):
             self._start_backward()
             if not unit.backward_unsharded:
                 unit.backward_unsharded = True
-                for b in unit.buffers:
-                    b.unshard()
+                self._gather_now(unit)
+                self._prefetch_backward(unit)
             return grad
 
-        for t in _tensors(output):
-            if t.requires_grad:
-                t.register_hook(hook)
+        outputs = [t for t in _tensors(output) if t.requires_grad]
+        unit.needs_backward = unit.needs_backward or bool(outputs)
+        for t in outputs:
+            t.register_hook(hook)
+
+    def _prefetch_backward(self, unit: _Unit) -> None:
+        """Starts gathering the unit whose backward comes next (the one before it in forward order)."""
+        if not self._order_known:
+            return
+        i = next((j for j, u in enumerate(self._order) if u is unit), len(self._order))
+        for prev in reversed(self._order[:i]):
+            if prev.needs_backward and not prev.backward_unsharded:
+                self._prefetch(prev)
+                return
 
     def _start_backward(self) -> None:
         if not self._in_backward:
@@ -278,23 +293,24 @@ class ParoShardedModule(nn.Module):
             Variable._execution_engine.queue_callback(self._end_backward)
 
     def _grad_ready(self, buffer: FlatBuffer, grad: torch.Tensor) -> None:
-        """A unit's gradient is complete: finish the previous unit's reduction, start this one's."""
-        self._finish_reductions()
-        self._pending_reduce.append(buffer.start_reduce(grad))
+        """A unit's gradient is complete: queue its reduction behind the pending collectives."""
+        self._pending_reduce.append(self._comm.submit(buffer.reduce, grad))
 
     def _finish_reductions(self) -> None:
         while self._pending_reduce:
-            self._pending_reduce.pop(0)()
+            self._pending_reduce.pop(0).result()
 
     def _end_backward(self) -> None:
         """Runs once when autograd finishes: reduce unused buffers, reshard, and sync at the boundary."""
         self._in_backward = False
         self._finish_reductions()
+        self._drain_prefetch()
         for u in self._units:
             u.backward_unsharded = False
+            u.needs_backward = False
             for b in u.buffers:
                 if b.trainable and not b.grad_ready:  # unused this step: reduce zeros so every rank agrees
-                    b.start_reduce(torch.zeros(b.padded, dtype=b.param_dtype))()
+                    b.reduce(torch.zeros(b.padded, dtype=b.param_dtype))
                 b.grad_ready = False
                 b.forget_full()
         if self._sync_gradients:
@@ -311,6 +327,7 @@ class ParoShardedModule(nn.Module):
                 if b.trainable and b.params_stale():
                     b.sync_params()
         root = self._units[-1]
+        self._gather_now(root)
         root.set_views()
         if self._order_known and self._order:
             self._prefetch(self._order[0])
