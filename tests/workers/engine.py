@@ -1,17 +1,21 @@
 """ParoShardedModule with every strategy trains to the parameters of single-process training.
 
-Usage: engine.py VARIANT[,VARIANT...] [STRATEGY ...]; VARIANT in plain, frozen, lora, tied, clip, bf16, mesh.
+Usage: engine.py VARIANT[,VARIANT...] [STRATEGY ...]; VARIANT in plain, frozen, lora, tied, clip, bf16, fp16, mesh.
 """
 
+import contextlib
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 import paro_torch
 from paro_torch import ParoShardedModule
 from paro_torch._groups import ParoGroups, build_groups
+
+LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 STEPS, ACCUM, BATCH, DIM, VOCAB, SEQ = 4, 2, 2, 16, 32, 6
 
@@ -94,7 +98,7 @@ def check_variant(variant: str, strategies: list[str], groups: ParoGroups) -> No
     ref, ref_norms = train_reference(variant, data)
     assert variant != "clip" or min(ref_norms) > 0.05, "the clipping test must clip"
     want = {k: v.float() for k, v in ref.state_dict().items()}
-    tol = 5e-2 if variant == "bf16" else 1e-5
+    tol = 5e-2 if variant in ("bf16", "fp16") else 1e-5
     mesh = None
     if variant == "mesh":  # groups from a 2-D DeviceMesh (outer = inter-group, inner = intra-group), as HSDP
         from torch.distributed.device_mesh import init_device_mesh
@@ -107,21 +111,21 @@ def check_variant(variant: str, strategies: list[str], groups: ParoGroups) -> No
             process_groups=None if mesh is not None else (groups.intra, groups.inter),
             device_mesh=mesh,
             wrap_policy={Block},
-            mixed_precision=paro_torch.MixedPrecision(param_dtype=torch.bfloat16) if variant == "bf16" else None,
+            mixed_precision=paro_torch.MixedPrecision(param_dtype=LOW[variant]) if variant in LOW else None,
         )
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        # fp16: torch's sharded loss scaler agrees on overflow across ranks (every master shard is checked)
+        scaler = ShardedGradScaler("cpu", 2.0**10, process_group=dist.group.WORLD, enabled=variant == "fp16")
         for step, micro in enumerate(data):
             for j, x in enumerate(micro):
                 local = x[rank * BATCH : (rank + 1) * BATCH]
-                if j < ACCUM - 1:
-                    with model.no_sync():
-                        (loss_fn(model, local) / ACCUM).backward()
-                else:
-                    (loss_fn(model, local) / ACCUM).backward()
+                with model.no_sync() if j < ACCUM - 1 else contextlib.nullcontext():
+                    scaler.scale(loss_fn(model, local) / ACCUM).backward()
             if variant == "clip":
                 norm = model.clip_grad_norm_(0.05).item()
                 assert abs(norm - ref_norms[step]) < 1e-5 * ref_norms[step], (code, norm, ref_norms[step])
-            opt.step()
+            scaler.step(opt)
+            scaler.update()
             opt.zero_grad()
         if model.strategy.p != "N":  # the second block's parameters were gathered while the first computed
             assert model.prefetches >= STEPS * ACCUM - 1, model.prefetches
