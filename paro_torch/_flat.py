@@ -203,7 +203,10 @@ class FlatBuffer:
             full = torch.empty(self.padded, dtype=x.dtype)
             _all_gather(full, x, groups.intra)
             x = full
-        self.master.grad = x.to(self.master.dtype, copy=True)
+        if self.master.grad is None:
+            self.master.grad = x.to(self.master.dtype, copy=True)
+        else:  # synced on more than one micro-step (no no_sync): gradients add up, as with DDP
+            self.master.grad.add_(x)
         self.g_acc.zero_()
 
     # -- parameters after the optimizer step: os → p ----------------------------------------------------------

@@ -396,10 +396,14 @@ class ParoShardedModule(nn.Module):
         """The full state dict (see ``full_state_dict``): whole parameters under the wrapped module's names."""
         return self.full_state_dict()
 
-    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def load_full_state_dict(
+        self, state_dict: dict[str, torch.Tensor], strict: bool = True
+    ) -> tuple[list[str], list[str]]:
         """Loads whole parameters (as ``full_state_dict`` returns them); call on every rank with the same values.
 
-        Each rank copies the slices it holds, then the parameter shards are synced from the masters.
+        Each rank copies the slices it holds, then the parameter shards are synced from the masters. With
+        ``strict=False`` missing parameters keep their values and unknown names are ignored. Returns the
+        missing and the unexpected names.
         """
         buffers = [b for u in self._units for b in u.buffers]
         shapes = {s.fqn: s.shape for b in buffers for s in b.slots}
@@ -407,7 +411,7 @@ class ParoShardedModule(nn.Module):
         missing = sorted(set(shapes) - set(state_dict))
         unexpected = sorted(set(state_dict) - set(shapes) - aliases)
         differ = sorted(k for k in set(shapes) & set(state_dict) if state_dict[k].shape != shapes[k])
-        if missing or unexpected or differ:
+        if differ or (strict and (missing or unexpected)):
             raise ValueError(
                 f"state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}, "
                 f"other shapes {differ[:5]}; pass the full_state_dict() of the same model"
@@ -417,17 +421,62 @@ class ParoShardedModule(nn.Module):
                 held = b.master.detach() if b.master is not None else b.p_shard.detach()
                 lo = b.range(self.strategy.os)[0] if b.master is not None else b.p_lo
                 for s, start, stop in b.overlaps(lo, lo + held.numel()):
-                    flat = state_dict[s.fqn].detach().reshape(-1)
-                    held[start - lo : stop - lo].copy_(flat[start - s.offset : stop - s.offset])
+                    if s.fqn in state_dict:
+                        flat = state_dict[s.fqn].detach().reshape(-1)
+                        held[start - lo : stop - lo].copy_(flat[start - s.offset : stop - s.offset])
                 if b.master is not None:
                     b.sync_params()
+        return missing, unexpected
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
-        """Loads a full state dict (see ``load_full_state_dict``); ``strict`` and ``assign`` are not supported."""
-        if not strict or assign:
-            raise ValueError("ParoShardedModule.load_state_dict supports strict=True, assign=False only")
-        self.load_full_state_dict(dict(state_dict))
-        return nn.modules.module._IncompatibleKeys([], [])
+        """Loads a full state dict (see ``load_full_state_dict``); ``assign`` is not supported."""
+        if assign:
+            raise ValueError("ParoShardedModule.load_state_dict does not support assign=True")
+        missing, unexpected = self.load_full_state_dict(dict(state_dict), strict)
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    @contextlib.contextmanager
+    def summon_full_params(self, rank0_only: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+        """Gives the wrapped module real, whole parameters (read-only copies) for the duration; collective.
+
+        For code that reads the inner module's parameters, e.g. ``save_pretrained``. Yields the full state dict
+        (empty on ranks other than 0 with ``rank0_only``, whose modules stay as they are). Changes to the
+        parameters inside are not written back.
+        """
+        full = self.full_state_dict(rank0_only=rank0_only)
+        places = [
+            (m, name, s.fqn)
+            for u in self._units
+            for b in u.buffers
+            for s in b.slots
+            for m, name in [(s.module, s.name), *[(a[0], a[1]) for a in s.aliases]]
+        ] if full else []  # fmt: skip
+        views = [m.__dict__.pop(name, None) for m, name, _ in places]  # the engine's views (see set_views)
+        params = {fqn: nn.Parameter(full[fqn], requires_grad=False) for _, _, fqn in places}
+        for m, name, fqn in places:
+            m._parameters[name] = params[fqn]
+        try:
+            yield full
+        finally:
+            for (m, name, _), view in zip(places, views, strict=True):
+                del m._parameters[name]
+                if view is not None:
+                    m.__dict__[name] = view
+
+    def named_master_slices(self) -> Iterator[tuple[tuple[str, ...], nn.Parameter, int, int]]:
+        """(names, master, start, stop): where each trainable parameter lies in this rank's master shards.
+
+        ``master`` is one of ``parameters()`` (what the optimizer updates), ``master[start:stop]`` the part of
+        the parameter this rank holds (possibly empty), ``names`` its name and those it is tied under. For
+        per-parameter treatment inside the optimizer's flat shards, e.g. weight decay only on some parameters.
+        """
+        for u in self._units:
+            for b in u.buffers:
+                if b.master is None:
+                    continue
+                lo = b.range(self.strategy.os)[0]
+                for s, start, stop in b.overlaps(lo, lo + b.master.numel()):
+                    yield (s.fqn, *(a[2] for a in s.aliases)), b.master, start - lo, stop - lo
 
     def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Bytes this rank holds persistently for parameters, gradient accumulators and optimizer states."""

@@ -15,8 +15,8 @@ def test_all_strategies_train_like_one_process(world: int, group_size: int) -> N
     assert_ok(launch("engine.py", world, env={"PARO_GROUP_SIZE": str(group_size)}, args=("plain,frozen,lora",)))
 
 
-def test_clipping_bf16_fp16_and_tied_weights() -> None:
-    assert_ok(launch("engine.py", 4, env={"PARO_GROUP_SIZE": "2"}, args=("clip,bf16,fp16,tied",)))
+def test_clipping_bf16_fp16_tied_weights_and_sync_on_every_micro_step() -> None:
+    assert_ok(launch("engine.py", 4, env={"PARO_GROUP_SIZE": "2"}, args=("clip,bf16,fp16,tied,syncall",)))
 
 
 def test_groups_from_a_device_mesh() -> None:

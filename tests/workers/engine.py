@@ -1,6 +1,7 @@
 """ParoShardedModule with every strategy trains to the parameters of single-process training.
 
-Usage: engine.py VARIANT[,VARIANT...] [STRATEGY ...]; VARIANT in plain, frozen, lora, tied, clip, bf16, fp16, mesh.
+Usage: engine.py VARIANT[,VARIANT...] [STRATEGY ...]; VARIANT in plain, frozen, lora, tied, syncall, clip, bf16, fp16,
+mesh.
 """
 
 import contextlib
@@ -119,7 +120,8 @@ def check_variant(variant: str, strategies: list[str], groups: ParoGroups) -> No
         for step, micro in enumerate(data):
             for j, x in enumerate(micro):
                 local = x[rank * BATCH : (rank + 1) * BATCH]
-                with model.no_sync() if j < ACCUM - 1 else contextlib.nullcontext():
+                # "syncall": the boundary sync on every micro-step (no no_sync): the gradients must add up
+                with model.no_sync() if j < ACCUM - 1 and variant != "syncall" else contextlib.nullcontext():
                     scaler.scale(loss_fn(model, local) / ACCUM).backward()
             if variant == "clip":
                 norm = model.clip_grad_norm_(0.05).item()

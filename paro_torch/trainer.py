@@ -1,0 +1,263 @@
+"""``ParoTrainer``: the Hugging Face ``Trainer`` with its model sharded by ``ParoShardedModule``.
+
+Usage (launch with ``torchrun``; ``PARO_GROUP_SIZE`` or torchrun's ``LOCAL_WORLD_SIZE`` sets the group size)::
+
+    from paro_torch.trainer import ParoTrainer
+
+    trainer = ParoTrainer(model=model, args=TrainingArguments(..., bf16=True), train_dataset=ds, strategy="IIG")
+    trainer.train()  # resume_from_checkpoint=... continues a ParoTrainer checkpoint
+    trainer.save_model("out")  # on every rank: a full model that from_pretrained loads (PEFT: the adapter)
+
+Everything else comes from ``TrainingArguments`` as usual: ``gradient_accumulation_steps`` (the boundary gradient sync
+runs on the last micro-step only), ``max_grad_norm`` (clipped by the global norm over the sharded master gradients),
+``bf16`` (``MixedPrecision(param_dtype=torch.bfloat16)``: bf16 compute and communication, float32 masters; no
+autocast), ``optim``, ``learning_rate``, ``weight_decay`` (on the parameters ``get_decay_parameter_names`` picks, as
+``Trainer`` does), ``lr_scheduler_type``, ``logging_steps``, ``eval_strategy``, ``save_steps`` and
+``load_best_model_at_end`` (both need ``save_only_model=False``, the default, as resuming does).
+
+[Note: ParoTrainer and the Trainer's plumbing]
+- The model is wrapped when the trainer is built, so ``trainer.model`` is the ``ParoShardedModule`` (as the Trainer
+  keeps the wrapped model in ``trainer.model`` under FSDP) and ``trainer.model.module`` is the Hugging Face model, whose
+  parameters now live in the engine's flat buffers: call it through ``trainer.model`` only.
+- accelerate must not wrap it again (``prepare`` would add DDP under torchrun, and autocast for bf16): the wrapper is
+  marked ``_is_accelerate_prepared``, accelerate's own guard against double wrapping.
+- The optimizer is built over ``trainer.model.parameters()``, this rank's shards of the float32 masters. A shard can
+  mix parameters with and without weight decay, so the decay is applied per element before each step (decoupled, as
+  AdamW does), and weight decay needs an AdamW-family optimizer.
+- Checkpoints: ``checkpoint-N/`` holds what the Trainer writes (the full model as safetensors, ``scheduler.pt``,
+  ``trainer_state.json``, one RNG file per rank) and ``checkpoint-N/paro/``, the sharded model and optimizer states
+  (``paro_torch.checkpoint``), which also loads into another strategy or world size.
+
+Tested with transformers 5.24.0, accelerate 1.16.0 and peft 0.21.2 (torch 2.15): the overrides below use private
+Trainer methods (``_save``, ``_save_optimizer_and_scheduler``, ``_load_from_checkpoint``,
+``_load_optimizer_and_scheduler``, ``_load_best_model``, ``_clip_grad_norm``, ``_get_grad_norm``), hence the pinned
+range of the ``hf`` extra.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from transformers import Trainer
+from transformers.trainer import SCHEDULER_NAME
+
+from paro_torch.api import MixedPrecision
+from paro_torch.checkpoint import load_checkpoint, save_checkpoint
+from paro_torch.sharded_module import ParoShardedModule, WrapPolicy
+
+PARO_CHECKPOINT_DIR = "paro"
+"""The subdirectory of a Trainer checkpoint (``checkpoint-N/``) with the sharded model and optimizer states."""
+
+
+class ParoTrainer(Trainer):
+    """A ``transformers.Trainer`` that trains its model with PaRO-DP (``ParoShardedModule``).
+
+    Takes every argument of ``Trainer`` plus the keyword arguments below; ``optimizers=`` is not accepted (the
+    optimizer must be built over the sharded masters: pass ``optimizer_cls_and_kwargs=`` or ``args.optim``). Building
+    it is collective (every rank). Afterwards ``trainer.model`` is the ``ParoShardedModule`` (``.strategy``, ``.plan``)
+    and ``trainer.model.module`` the Hugging Face model given, which runs only through ``trainer.model``.
+
+    Args:
+        strategy: A code ("IIG"), an alias ("zero3", "hsdp", ...) or "auto" (the cost model's fastest strategy that
+            fits ``memory_budget``, given ``args.gradient_accumulation_steps``).
+        group_size: Ranks per group; default PARO_GROUP_SIZE, else torchrun's LOCAL_WORLD_SIZE.
+        wrap_policy: Module classes (or a predicate) that become units; default the classes named in the model's
+            ``_no_split_modules`` (its decoder layers).
+        memory_budget: Bytes per rank for model states (for ``auto``, and a check otherwise).
+        calibration: Link figures for ``auto`` (a ``LinkCalibration`` or a JSON path).
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized (launch with torchrun).
+        ValueError: a model already wrapped, ``optimizers=`` given, ``fp16`` set, or weight decay with an optimizer
+            that is not AdamW-like.
+    """
+
+    def __init__(
+        self,
+        *trainer_args: Any,
+        strategy: str = "auto",
+        group_size: int | None = None,
+        wrap_policy: WrapPolicy = None,
+        memory_budget: int | None = None,
+        calibration: Any = None,
+        **trainer_kwargs: Any,
+    ) -> None:
+        self.paro_options = {
+            "strategy": strategy,
+            "group_size": group_size,
+            "wrap_policy": wrap_policy,
+            "memory_budget": memory_budget,
+            "calibration": calibration,
+        }
+        self._decay_names: set[str] = set()
+        model = trainer_kwargs.get("model", trainer_args[0] if trainer_args else None)
+        if isinstance(model, ParoShardedModule):
+            raise ValueError("pass ParoTrainer the Hugging Face model itself: it wraps it in a ParoShardedModule")
+        super().__init__(*trainer_args, **trainer_kwargs)
+        self._wrap_paro()
+
+    # ------------------------------------------------------------------------------------------------ wrapping
+    def _wrap_paro(self) -> ParoShardedModule:
+        """Wraps ``self.model`` (once; again after ``model_init`` made a new one); collective."""
+        if isinstance(self.model, ParoShardedModule):
+            return self.model
+        if not dist.is_initialized():
+            raise RuntimeError("ParoTrainer needs torch.distributed: launch the script with torchrun")
+        if self.optimizer is not None:
+            raise ValueError(
+                "ParoTrainer builds the optimizer over the sharded parameters: pass optimizer_cls_and_kwargs="
+                "(cls, kwargs) (or args.optim) instead of optimizers="
+            )
+        if self.args.fp16:
+            raise ValueError("ParoTrainer supports bf16 mixed precision (args.bf16=True), not fp16")
+        model = self.model
+        # read off the Hugging Face model before its parameters move into flat buffers
+        self._set_signature_columns_if_needed()
+        self._decay_names = set(self.get_decay_parameter_names(model))
+        opts = dict(self.paro_options)
+        if opts["wrap_policy"] is None:
+            opts["wrap_policy"] = _no_split_classes(model)
+        mp = MixedPrecision(param_dtype=torch.bfloat16) if self.args.bf16 else None
+        paro = ParoShardedModule(
+            model, opts.pop("strategy"), mixed_precision=mp, grad_accum=self.args.gradient_accumulation_steps, **opts
+        )
+        paro._is_accelerate_prepared = True  # accelerate's guard: no DDP, no autocast around it
+        self.model = self.model_wrapped = self.callback_handler.model = paro
+        return paro
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """The optimizer over this rank's master shards, one param group; weight decay by a per-element mask."""
+        paro = self._wrap_paro()
+        if self.optimizer is not None:
+            return self.optimizer
+        if self.optimizer_cls_and_kwargs is not None:
+            cls, kwargs = self.optimizer_cls_and_kwargs
+        else:
+            cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, paro.module)
+        if {"params", "model", "optimizer_dict"} & set(kwargs):
+            raise ValueError(f"ParoTrainer does not support optim={self.args.optim!r} (it picks parameters itself)")
+        params = [p for p in paro.parameters() if p.requires_grad]
+        optimizer = cls([{"params": params, "weight_decay": 0.0}], **kwargs)
+        if self.args.weight_decay > 0:
+            decoupled = isinstance(optimizer, torch.optim.AdamW) or optimizer.defaults.get("decoupled_weight_decay")
+            if not decoupled:
+                raise ValueError(
+                    f"ParoTrainer applies weight decay as AdamW does (decoupled); {cls.__name__} is not AdamW-like: "
+                    "use an AdamW optimizer or weight_decay=0"
+                )
+            optimizer.register_step_pre_hook(_DecoupledDecay(paro, self._decay_names, self.args.weight_decay))
+        self.optimizer = optimizer
+        return optimizer
+
+    # --------------------------------------------------------------------------------- accumulation, clipping
+    def training_step(self, model: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """One micro-step; the boundary gradient sync runs only when the Trainer steps the optimizer after it."""
+        if isinstance(model, ParoShardedModule):
+            model.set_requires_gradient_sync(self.accelerator.sync_gradients)
+        return super().training_step(model, *args, **kwargs)
+
+    def _clip_grad_norm(self, model: nn.Module) -> Any:
+        if isinstance(model, ParoShardedModule):
+            return model.clip_grad_norm_(self.args.max_grad_norm)
+        return super()._clip_grad_norm(model)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        if grad_norm is None and isinstance(model, ParoShardedModule):
+            grad_norm = model.clip_grad_norm_(float("inf"))  # the global norm; scales by 1
+        return super()._get_grad_norm(model, grad_norm)
+
+    # ---------------------------------------------------------------------------------------- saving, resuming
+    def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
+        """Gathers the full state dict (on every rank), then the Trainer saves the inner model with it."""
+        if not isinstance(self.model, ParoShardedModule):
+            return super()._save(output_dir, state_dict)
+        paro = self.model
+        # collective; save_pretrained reads the parameters (their dtype), not only the state dict
+        with paro.summon_full_params(rank0_only=not self.args.save_on_each_node):
+            if not self.args.should_save:
+                return
+            if state_dict is None:
+                state_dict = paro.module.state_dict()  # the gathered parameters and the persistent buffers
+            self.model = paro.module  # the Hugging Face (or PEFT) model, which save_pretrained knows
+            try:
+                super()._save(output_dir, state_dict)
+            finally:
+                self.model = paro
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not isinstance(self.model, ParoShardedModule):
+            return super()._save_optimizer_and_scheduler(output_dir)
+        save_checkpoint(os.path.join(output_dir, PARO_CHECKPOINT_DIR), self.model, _inner(self.optimizer))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        """Only checks: the parameters load with the optimizer states, once the optimizer exists."""
+        if not isinstance(model if model is not None else self.model, ParoShardedModule):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        self._sharded_checkpoint(resume_from_checkpoint, "resume from")
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not isinstance(self.model, ParoShardedModule):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        load_checkpoint(self._sharded_checkpoint(checkpoint, "resume from"), self.model, _inner(self.optimizer))
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        if not isinstance(self.model, ParoShardedModule):
+            return super()._load_best_model()
+        load_checkpoint(
+            self._sharded_checkpoint(self.state.best_model_checkpoint, "load the best model from"), self.model
+        )
+
+    def _sharded_checkpoint(self, checkpoint: str, action: str) -> str:
+        path = os.path.join(checkpoint, PARO_CHECKPOINT_DIR)
+        if not os.path.isdir(path):
+            raise ValueError(
+                f"{checkpoint} has no {PARO_CHECKPOINT_DIR}/ directory: ParoTrainer can {action} the checkpoints it "
+                "saves with save_only_model=False only; to start from saved weights, load them into the model before "
+                "building the trainer"
+            )
+        return path
+
+
+class _DecoupledDecay:
+    """Optimizer step pre-hook: ``p *= 1 - lr * weight_decay`` on the runs of the master shards that decay."""
+
+    def __init__(self, model: ParoShardedModule, names: set[str], weight_decay: float) -> None:
+        self.weight_decay = weight_decay
+        self.runs: dict[nn.Parameter, list[tuple[int, int]]] = {}  # per master: [start, stop) runs to decay
+        for fqns, master, start, stop in model.named_master_slices():
+            if stop == start or not names.intersection(fqns):
+                continue
+            runs = self.runs.setdefault(master, [])
+            if runs and runs[-1][1] == start:  # adjacent parameters: one run
+                runs[-1] = (runs[-1][0], stop)
+            else:
+                runs.append((start, stop))
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        factor = 1 - float(optimizer.param_groups[0]["lr"]) * self.weight_decay
+        with torch.no_grad():
+            for master, runs in self.runs.items():
+                if master.grad is not None:  # as AdamW: parameters without a gradient are not touched
+                    for start, stop in runs:
+                        master[start:stop].mul_(factor)
+
+
+def _no_split_classes(model: nn.Module) -> set[type[nn.Module]] | None:
+    """The module classes named in ``_no_split_modules`` of the Hugging Face models inside ``model``."""
+    names = {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or [])}
+    classes = {type(m) for m in model.modules() if type(m).__name__ in names}
+    return classes or None
+
+
+def _inner(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside accelerate's ``AcceleratedOptimizer``."""
+    return getattr(optimizer, "optimizer", optimizer)
