@@ -38,11 +38,13 @@ def main() -> None:
             model.register_parameter("step", nn.Parameter(torch.zeros(1, dtype=torch.int64), requires_grad=False))
     try:
         ParoShardedModule(model, strategy, **kwargs)
+        print(f"rank {rank}: accepted", flush=True)
+        code = 1
     except ValueError as e:
         print(f"rank {rank}: {type(e).__name__}: {e}", flush=True)
-        sys.exit(0)
-    print(f"rank {rank}: accepted", flush=True)
-    sys.exit(1)
+        code = 0
+    dist.destroy_process_group()
+    sys.exit(code)
 
 
 if __name__ == "__main__":
