@@ -14,4 +14,4 @@ $PY -m ruff format --check .
 echo "== cargo test"
 cargo test -p paro-core
 echo "== pytest"
-$PY -m pytest tests -q
+$PY -m pytest tests -q --durations=12
