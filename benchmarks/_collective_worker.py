@@ -21,30 +21,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _testbed import emit, read_netdev
 
 import paro_torch
 
-MARK = "PAROBENCH "
 OPS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
 ELEM = 4  # float32
-
-
-def read_netdev(ifaces: list[str]) -> dict[str, dict[str, int]]:
-    """Rx/tx bytes of ``ifaces`` in this process's network namespace (missing interfaces are left out)."""
-    out: dict[str, dict[str, int]] = {}
-    with open("/proc/net/dev") as f:
-        for line in f.readlines()[2:]:
-            name, _, rest = line.partition(":")
-            name = name.strip()
-            if name in ifaces:
-                fields = rest.split()
-                out[name] = {"rx": int(fields[0]), "tx": int(fields[8])}
-    return out
-
-
-def emit(kind: str, **payload: Any) -> None:
-    """Prints one machine-readable line for the driver."""
-    print(MARK + json.dumps({"kind": kind, **payload}), flush=True)
 
 
 class Case:

@@ -15,35 +15,37 @@ link is shaped and the inter-node wire bytes cannot be told apart (only paro's o
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import platform
 import re
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-TESTBED = HERE / "testbed.sh"
+from _testbed import (
+    HERE,
+    Testbed,
+    base_env,
+    exit_on_sigterm,
+    ext,
+    link_info,
+    machine_info,
+    require_root,
+    run_launch,
+    torchrun_commands,
+)
+
 WORKER = HERE / "_collective_worker.py"
-MARK = "PAROBENCH "
 OPS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
 SHORT_OP = {
     "all_gather_into_tensor": "all_gather",
     "reduce_scatter_tensor": "reduce_scatter",
     "all_reduce": "all_reduce",
 }
-SUBNET = "10.77.0"
-BURST, LATENCY, MTU = "256kb", "5ms", 9000
 
 
 @dataclass(frozen=True)
@@ -81,93 +83,13 @@ def fmt_size(n: int) -> str:
     return f"{n}B"
 
 
-def sh(cmd: list[str]) -> str:
-    """Output of a short command, or '' if it fails."""
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def machine_info() -> dict[str, Any]:
-    """Where the numbers come from: cores, kernel, CPU, load, software versions, repository commit."""
-    import torch
-
-    import paro_torch
-
-    cpu = ""
-    try:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "")
-    except OSError:
-        pass
-    return {
-        "nproc": int(sh(["nproc"]) or os.cpu_count() or 0),
-        "kernel": platform.release(),
-        "cpu": cpu,
-        "loadavg_at_start": os.getloadavg(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "paro_torch": getattr(paro_torch, "__version__", "?"),
-        "git_commit": sh(["git", "-C", str(REPO), "rev-parse", "HEAD"]),
-        "git_dirty": bool(sh(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"])),
-        "git_diff_sha1": hashlib.sha1(sh(["git", "-C", str(REPO), "diff", "HEAD"]).encode()).hexdigest(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-
-
-class Testbed:
-    """Context manager around ``testbed.sh up/down``; tears down on exit, on errors and on SIGTERM/SIGINT."""
-
-    def __init__(self, nodes: int, rate: str) -> None:
-        self.nodes, self.rate = nodes, rate
-
-    def __enter__(self) -> Testbed:
-        subprocess.run(["bash", str(TESTBED), "up", str(self.nodes), self.rate], check=True)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        subprocess.run(["bash", str(TESTBED), "down"], check=False)
-
-
-def _raise_exit(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
-def _pump(stream: TextIO, log: TextIO, sink: list[dict[str, Any]], echo: bool) -> None:
-    """Copies a torchrun's output to its log, collecting PAROBENCH records (and echoing progress)."""
-    for line in stream:
-        log.write(line)
-        log.flush()
-        i = line.find(MARK)
-        if i >= 0:
-            rec = json.loads(line[i + len(MARK) :])
-            sink.append(rec)
-            if echo and rec["kind"] == "case":
-                print(
-                    f"  {rec['variant']:9s} {SHORT_OP[rec['op']]:14s} {fmt_size(rec['size']):>7s}"
-                    f"  {rec['median_ms']:9.2f} ms",
-                    flush=True,
-                )
-
-
-def _stop(procs: list[subprocess.Popen[str]]) -> None:
-    """Terminates the torchruns this script started (each is its own session), then kills what is left."""
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    deadline = time.time() + 10
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+def _echo(rec: dict[str, Any]) -> None:
+    """Progress: one line per finished case."""
+    if rec["kind"] == "case":
+        print(
+            f"  {rec['variant']:9s} {SHORT_OP[rec['op']]:14s} {fmt_size(rec['size']):>7s}  {rec['median_ms']:9.2f} ms",
+            flush=True,
+        )
 
 
 def launch(args: argparse.Namespace, variant: Variant, sizes: list[int], port: int, logdir: Path) -> list[dict]:
@@ -186,70 +108,9 @@ def launch(args: argparse.Namespace, variant: Variant, sizes: list[int], port: i
     logdir.mkdir(parents=True, exist_ok=True)
     cfg_path = logdir / f"{variant.name}.config.json"
     cfg_path.write_text(json.dumps(cfg))
-    base_env = {key: v for key, v in os.environ.items() if not key.startswith("PARO_")}
-    base_env.pop("LOCAL_WORLD_SIZE", None)
-    base_env.update(OMP_NUM_THREADS="1", PARO_GROUP_SIZE=str(m), PYTHONUNBUFFERED="1", **variant.env)
-    run = [sys.executable, "-m", "torch.distributed.run"]
     script = [str(WORKER), "--bench-config", str(cfg_path)]
-    if args.no_testbed:
-        cmds = [
-            ([*run, "--standalone", "--nproc-per-node", str(k * m), *script], dict(base_env, GLOO_SOCKET_IFNAME="lo"))
-        ]
-    else:
-        cmds = []
-        for i in range(k):
-            torchrun = [*run, "--nnodes", str(k), "--node-rank", str(i), "--nproc-per-node", str(m)]
-            torchrun += ["--master-addr", f"{SUBNET}.1", "--master-port", str(port), *script]
-            cmds.append(
-                (["ip", "netns", "exec", f"paro-n{i}", *torchrun], dict(base_env, GLOO_SOCKET_IFNAME=f"veth-n{i}"))
-            )
-
-    records: list[dict[str, Any]] = []
-    procs: list[subprocess.Popen[str]] = []
-    logs: list[TextIO] = []
-    pump = None
-    try:
-        for i, (cmd, env) in enumerate(cmds):
-            log = open(logdir / f"{variant.name}.node{i}.log", "w")
-            logs.append(log)
-            if i == 0:
-                p = subprocess.Popen(
-                    cmd,
-                    env=env,
-                    cwd=REPO,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                    start_new_session=True,
-                )
-                assert p.stdout is not None
-                pump = threading.Thread(target=_pump, args=(p.stdout, log, records, True), daemon=True)
-                pump.start()
-            else:
-                p = subprocess.Popen(
-                    cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True
-                )
-            procs.append(p)
-        deadline = time.time() + args.launch_timeout
-        while any(p.poll() is None for p in procs):
-            if any(p.returncode not in (None, 0) for p in procs):
-                break  # one node failed: the others would only wait for the process-group timeout
-            if time.time() > deadline:
-                raise RuntimeError(f"{variant.name}: no result after {args.launch_timeout}s; logs in {logdir}")
-            time.sleep(0.2)
-    finally:
-        _stop(procs)
-        if pump is not None:
-            pump.join(timeout=10)
-        for log in logs:
-            log.close()
-    bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
-    if bad or not any(r["kind"] == "done" for r in records):
-        tails = []
-        for i, _ in bad or [(0, None)]:
-            tails.append(f"--- node {i}:\n" + (logdir / f"{variant.name}.node{i}.log").read_text()[-3000:])
-        raise RuntimeError(f"{variant.name}: torchrun failed (node, rc) {bad}\n" + "\n".join(tails))
-    return records
+    cmds = torchrun_commands(k, m, script, base_env(m, variant.env), port, args.no_testbed)
+    return run_launch(variant.name, cmds, logdir, args.launch_timeout, _echo)
 
 
 def summarize(records: list[dict[str, Any]], testbed: bool) -> list[dict[str, Any]]:
@@ -450,32 +311,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"size too small for {world} ranks", file=sys.stderr)
             return 2
         sizes.append(s)
-    if not args.no_testbed and os.geteuid() != 0:
-        print(
-            "collectives.py: the testbed needs root (network namespaces, veth, tc). Run as root, or use --no-testbed "
-            "for a localhost run without shaped links.",
-            file=sys.stderr,
-        )
+    if not args.no_testbed and not require_root("collectives.py"):
         return 2
-    signal.signal(signal.SIGTERM, _raise_exit)  # so that the finally clauses (teardown, stopping torchruns) run
+    exit_on_sigterm()  # so that the finally clauses (teardown, stopping torchruns) run
 
     tag = f"{k}x{m}-{'localhost' if args.no_testbed else args.rate}"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     logdir = args.out_dir / "raw" / f"collectives-{tag}"
-    link = (
-        {"description": "localhost (no testbed, unshaped loopback)", "testbed": False}
-        if args.no_testbed
-        else {
-            "description": f"tbf {args.rate} both ends",
-            "testbed": True,
-            "rate": args.rate,
-            "burst": BURST,
-            "latency": LATENCY,
-            "mtu": MTU,
-            "qdisc": "tbf on both ends of each node's veth (node->switch and switch->node); no netem (no delay)",
-            "topology": f"{k} namespaces paro-n0..paro-n{k - 1}, bridge in paro-sw, veth-n<i> = {SUBNET}.<i+1>/24",
-        }
-    )
+    link = link_info(k, args.rate, args.no_testbed)
     result: dict[str, Any] = {
         "machine": machine_info(),
         "link": link,
@@ -519,9 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _ext(base: Path, ext: str) -> Path:
-    """base + ext (Path.with_suffix would eat a rate such as '2.5gbit')."""
-    return base.with_name(base.name + ext)
+_ext = ext  # (the name this module used before the helpers moved to _testbed.py)
 
 
 def write_reports(result: dict[str, Any], base: Path) -> None:

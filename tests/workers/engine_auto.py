@@ -60,6 +60,16 @@ def main() -> None:
                                calibration=saved)  # fmt: skip
     assert again.plan == direct.plan
 
+    # an explicit strategy with a budget and link figures: its plan's times come from those figures, as auto's
+    explicit = ParoShardedModule(make("plain"), "IIG", process_groups=pgs, wrap_policy={Block}, memory_budget=budget,
+                                 calibration=saved)  # fmt: skip
+    times = {s["code"]: s["time_s"] for s in direct.plan["strategies"]}
+    assert explicit.plan is not None and explicit.plan["strategies"][0]["time_s"] == times["IIG"], explicit.plan
+
+    # a root without parameters of its own (every parameter in a wrapped block)
+    blocks = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+    ParoShardedModule(blocks, "auto", process_groups=pgs, wrap_policy={torch.nn.Linear}, memory_budget=10**9)
+
     # nothing fits / the requested strategy does not fit: an error on every rank, naming the fix
     for strategy, limit, message in [("auto", 1000, "found no strategy that fits"), ("ddp", budget, "needs")]:
         try:

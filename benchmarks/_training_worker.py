@@ -1,0 +1,536 @@
+"""One rank of benchmarks/training.py: trains a small LLaMA with one system for a few steps and measures it.
+
+Started by torchrun (one per emulated node, or one on localhost) with ``--bench-config FILE`` written by the driver.
+Modes:
+
+- ``calibrate``: ``paro_torch.calibrate(path)`` on this launch's layout (the file every paro run then reads through
+  PARO_CALIBRATION).
+- ``train``: builds the model (same seed everywhere), makes the scenario's parameters trainable (full, partial or
+  LoRA), wraps it with the variant's system (paro_torch, DDP, FSDP1, FSDP2, DeepSpeed), runs warm-up steps, then the
+  measured steps (each an optimizer step over ``grad_accum`` micro-batches, a barrier on a separate Gloo group before
+  each); local rank 0 of every node reads its link counters from /proc/net/dev around the measured steps.
+
+Global rank 0 prints ``PAROBENCH <json>`` records (``meta``, ``run``, ``done``). A rank that fails prints
+``PAROBENCH-ERROR [rank r] Type: message`` and exits non-zero; the driver records the variant as failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import itertools
+import json
+import math
+import os
+import resource
+import statistics
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from _collective_worker import timed_section
+from _testbed import ERROR_MARK, emit
+
+import paro_torch
+
+PARTIAL_KINDS = ("o_proj", "q_proj", "k_proj", "v_proj", "down_proj", "up_proj", "gate_proj")
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+# ---------------------------------------------------------------------------------------------------- model
+def build_model(cfg: dict[str, Any]) -> nn.Module:
+    """The LlamaForCausalLM of the config's size, random weights from ``seed`` (identical on every rank)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    mc = cfg["model"]
+    config = LlamaConfig(
+        vocab_size=mc["vocab"],
+        hidden_size=mc["hidden"],
+        intermediate_size=mc["intermediate"],
+        num_hidden_layers=mc["layers"],
+        num_attention_heads=mc["heads"],
+        num_key_value_heads=mc["kv_heads"],
+        max_position_embeddings=mc["seq"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(cfg["seed"])
+    return LlamaForCausalLM(config)
+
+
+def partial_subset(model: nn.Module, fraction: float) -> tuple[list[str], list[str]]:
+    """The weight kinds (the same in every decoder layer) whose total is closest to ``fraction`` of all parameters.
+
+    Tries every subset of PARTIAL_KINDS; ties go to fewer kinds, then to the order of PARTIAL_KINDS (attention
+    output first). Returns (kinds, parameter names).
+    """
+    total = sum(p.numel() for p in model.parameters())
+    per_kind = {k: 0 for k in PARTIAL_KINDS}
+    names = {k: [] for k in PARTIAL_KINDS}
+    for name, p in model.named_parameters():
+        for k in PARTIAL_KINDS:
+            if name.endswith(f".{k}.weight") and ".layers." in name:
+                per_kind[k] += p.numel()
+                names[k].append(name)
+    target = total * fraction
+    best: tuple[float, int, tuple[int, ...]] | None = None
+    for r in range(1, len(PARTIAL_KINDS) + 1):
+        for combo in itertools.combinations(range(len(PARTIAL_KINDS)), r):
+            key = (abs(sum(per_kind[PARTIAL_KINDS[i]] for i in combo) - target), r, combo)
+            if best is None or key < best:
+                best = key
+    assert best is not None
+    kinds = [PARTIAL_KINDS[i] for i in best[2]]
+    return kinds, [n for k in kinds for n in names[k]]
+
+
+def apply_scenario(model: nn.Module, cfg: dict[str, Any]) -> tuple[nn.Module, dict[str, Any]]:
+    """Makes the scenario's parameters trainable: ``full`` all, ``partial`` ~1/16, ``lora`` only the adapters."""
+    scenario = cfg["scenario"]
+    info: dict[str, Any] = {"params": sum(p.numel() for p in model.parameters())}
+    if scenario == "partial":
+        kinds, chosen = partial_subset(model, cfg["partial_fraction"])
+        for name, p in model.named_parameters():
+            p.requires_grad_(name in chosen)
+        info["partial_kinds"] = kinds
+    elif scenario == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(cfg["seed"] + 1)  # adapter init, identical on every rank and for every variant
+        lora = LoraConfig(r=cfg["lora_r"], lora_alpha=2 * cfg["lora_r"], lora_dropout=0.0,
+                          target_modules=LORA_TARGETS)  # fmt: skip
+        model = get_peft_model(model, lora)
+        info["lora"] = {"r": cfg["lora_r"], "alpha": 2 * cfg["lora_r"], "targets": LORA_TARGETS}
+    elif scenario != "full":
+        raise ValueError(f"unknown scenario {scenario!r}")
+    info["params"] = sum(p.numel() for p in model.parameters())
+    info["trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return model, info
+
+
+def decoder_layer_class() -> type[nn.Module]:
+    """The wrapping unit of every system."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    return LlamaDecoderLayer
+
+
+def unit_blocks(model: nn.Module, unit: type[nn.Module]) -> list[tuple[int, int]]:
+    """(numel, trainable numel) of each unit as ParoShardedModule forms them: the wrapped blocks, then the root."""
+    blocks: list[nn.Module] = []
+
+    def visit(m: nn.Module) -> None:
+        for child in m.children():
+            if isinstance(child, unit):
+                blocks.append(child)
+            else:
+                visit(child)
+
+    visit(model)
+    inside = {id(p) for b in blocks for p in b.parameters()}
+    rest = [p for p in model.parameters() if id(p) not in inside]
+    out = [(sum(p.numel() for p in b.parameters()), sum(p.numel() for p in b.parameters() if p.requires_grad))
+           for b in reversed(blocks)]  # fmt: skip
+    out.append((sum(p.numel() for p in rest), sum(p.numel() for p in rest if p.requires_grad)))
+    return out
+
+
+# -------------------------------------------------------------------------------------------------- systems
+class System:
+    """A wrapped model and its optimizer: ``micro`` runs one micro-batch (forward + backward), ``step`` the update."""
+
+    def __init__(self, cfg: dict[str, Any], model: nn.Module, nodes: int, per_node: int) -> None:
+        self.cfg, self.nodes, self.per_node = cfg, nodes, per_node
+        self.accum, self.clip, self.lr = cfg["grad_accum"], cfg["clip"], cfg["lr"]
+        self.extra: dict[str, Any] = {}
+        self.optimizer: torch.optim.Optimizer | None = None
+        system, _, option = cfg["variant"].partition(":")
+        self.system, self.option = system, option
+        self.model = getattr(self, f"_wrap_{system.replace('-', '_')}")(model, option)
+
+    def _adamw(self, params: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in params if p.requires_grad], lr=self.lr)
+
+    # --- wrapping
+    def _wrap_paro(self, model: nn.Module, option: str) -> nn.Module:
+        from paro_torch import ParoShardedModule
+        from paro_torch.auto import LinkCalibration, choose_strategy, default_memory_budget, measure_links
+
+        unit = decoder_layer_class()
+        blocks = unit_blocks(model, unit)
+        wrapped = ParoShardedModule(model, option, wrap_policy={unit}, grad_accum=self.accum)
+        self.optimizer = torch.optim.AdamW(wrapped.parameters(), lr=self.lr)
+        # The cost model's view of every strategy with the calibrated link figures (what `auto` weighs). For an
+        # explicit strategy ParoShardedModule makes no plan, so ask the cost model the same question here.
+        path = os.environ.get("PARO_CALIBRATION")
+        links = LinkCalibration.load(path) if path else measure_links(wrapped.groups)
+        _, report = choose_strategy(
+            blocks,
+            wrapped.groups,
+            links=links,
+            memory_budget=default_memory_budget(wrapped.groups.group_size),
+            grad_accum=self.accum,
+            param_bytes=4,
+        )
+        mine = next(s for s in report["strategies"] if s["code"] == wrapped.strategy.code)
+        self.extra["strategy"] = wrapped.strategy.code
+        self.extra["links"] = _asdict(links)
+        self.extra["predicted"] = {
+            "time_s": mine["time_s"],
+            "intra_bytes_per_rank": mine["intra_bytes"],
+            "inter_bytes_per_rank": mine["inter_bytes"],
+            "memory_total_per_rank": mine["memory"]["total"],
+            "memory": mine["memory"],
+            "collectives": mine["collectives"],
+        }
+        if wrapped.plan is not None:  # auto: what it weighed
+            self.extra["auto_choice"] = wrapped.plan["choice"]["code"] if wrapped.plan.get("choice") else None
+            self.extra["auto_reason"] = wrapped.plan.get("reason")
+            self.extra["plan"] = wrapped.plan
+            self.extra["plan_matches_recomputed"] = wrapped.plan == report
+        self._paro_groups = [pg for pg in (wrapped.groups.intra, wrapped.groups.inter) if pg is not None]
+        return wrapped
+
+    def _wrap_ddp(self, model: nn.Module, option: str) -> nn.Module:
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(model)
+        self.optimizer = self._adamw(wrapped.parameters())
+        return wrapped
+
+    def _wrap_fsdp1(self, model: nn.Module, option: str) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        kwargs: dict[str, Any] = {}
+        if "HYBRID" in option:
+            kwargs["device_mesh"] = init_device_mesh("cpu", (self.nodes, self.per_node),
+                                                     mesh_dim_names=("replicate", "shard"))  # fmt: skip
+        mixed = any(not p.requires_grad for p in model.parameters())
+        wrapped = FullyShardedDataParallel(
+            model,
+            sharding_strategy=ShardingStrategy[option],
+            auto_wrap_policy=ModuleWrapPolicy({decoder_layer_class()}),
+            device_id=torch.device("cpu"),
+            use_orig_params=mixed,  # frozen and trainable parameters in one unit need it
+            **kwargs,
+        )
+        self.extra["use_orig_params"] = mixed
+        self.optimizer = self._adamw(wrapped.parameters())
+        return wrapped
+
+    def _wrap_fsdp2(self, model: nn.Module, option: str) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        world = self.nodes * self.per_node
+        if option == "hsdp":
+            mesh = init_device_mesh("cpu", (self.nodes, self.per_node), mesh_dim_names=("dp_replicate", "dp_shard"))
+        elif option == "":
+            mesh = init_device_mesh("cpu", (world,))
+        else:
+            raise ValueError(f"unknown fsdp2 option {option!r}")
+        unit = decoder_layer_class()
+        for m in list(model.modules()):
+            if isinstance(m, unit):
+                fully_shard(m, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.optimizer = self._adamw(model.parameters())
+        return model
+
+    def _wrap_deepspeed(self, model: nn.Module, option: str) -> nn.Module:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed
+
+        stage3 = {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,  # re-gather in backward even on a small model
+            "stage3_max_reuse_distance": 0,
+            "stage3_max_live_parameters": 0,
+        }
+        zero = {
+            "zero2": {"stage": 2},
+            "zero3": stage3,
+            "hpz": {**stage3, "zero_hpz_partition_size": self.per_node},
+            "mics": {**stage3, "mics_shard_size": self.per_node},
+        }.get(option)
+        if zero is None:
+            raise ValueError(f"unknown deepspeed option {option!r}")
+        config = {
+            "train_micro_batch_size_per_gpu": self.cfg["micro_batch"],
+            "gradient_accumulation_steps": self.accum,
+            "gradient_clipping": self.clip,
+            "zero_allow_untested_optimizer": True,
+            "zero_optimization": zero,
+            "steps_per_print": 10**9,
+        }
+        self.extra["deepspeed_config"] = config
+        opt = self._adamw(model.parameters())
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+        return engine
+
+    # --- training
+    def micro(self, x: torch.Tensor, last: bool) -> float:
+        """Forward and backward of one micro-batch; gradient sync only on the last one of a step."""
+        if self.system == "deepspeed":
+            loss = self.model(input_ids=x, labels=x).loss
+            self.model.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
+            self.model.step()  # applies the update at the accumulation boundary only
+            return float(loss.detach())
+        if self.system == "fsdp2":
+            self.model.set_requires_gradient_sync(last)
+            ctx: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        else:
+            ctx = contextlib.nullcontext() if last else self.model.no_sync()
+        with ctx:
+            loss = self.model(input_ids=x, labels=x).loss
+            (loss / self.accum).backward()
+        return float(loss.detach())
+
+    def step(self) -> None:
+        """Clip to the global norm and update (DeepSpeed did both in its last ``micro``)."""
+        if self.system == "deepspeed":
+            return
+        assert self.optimizer is not None
+        if self.system in ("paro", "fsdp1"):
+            self.model.clip_grad_norm_(self.clip)
+        else:
+            torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], self.clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def train_step(self, batches: torch.Tensor) -> float:
+        """One optimizer step over ``batches`` (grad_accum x micro_batch x seq); returns the mean micro-batch loss."""
+        losses = [self.micro(batches[i], i == self.accum - 1) for i in range(self.accum)]
+        self.step()
+        return sum(losses) / len(losses)
+
+    # --- accounting
+    def reset_counted(self) -> None:
+        if self.system == "paro":
+            for pg in self._paro_groups:
+                paro_torch.reset_comm_stats(pg)
+
+    def counted(self) -> dict[str, int] | None:
+        """Bytes this rank sent on paro's own groups since ``reset_counted`` (paro_torch.comm_stats), by level."""
+        if self.system != "paro":
+            return None
+        total = {"intra_bytes": 0, "inter_bytes": 0, "flat_bytes": 0}
+        for pg in self._paro_groups:
+            st = paro_torch.comm_stats(pg)
+            for k in total:
+                total[k] += getattr(st, k)
+        return total
+
+    def memory_stats(self) -> dict[str, int] | None:
+        if self.system == "paro":
+            return self.model.memory_stats(self.optimizer)
+        return None
+
+
+def _asdict(obj: Any) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return asdict(obj)
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]  # fmt: skip
+
+
+class HeapSampler:
+    """Peak of glibc's live heap bytes (mallinfo2: in-use arena bytes + mmapped chunks), sampled by a thread.
+
+    Unlike RSS it does not count what the allocator keeps after a free (glibc raises its mmap threshold after
+    freeing a large block, so later transient buffers stay in the heap and RSS never shrinks back), nor code pages.
+    Peaks shorter than the sampling interval can be missed. ``available`` is False off glibc (no mallinfo2).
+    """
+
+    def __init__(self, interval_s: float = 0.005) -> None:
+        self.interval_s = interval_s
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+            self._fn = libc.mallinfo2
+            self._fn.restype = _Mallinfo2
+            self.available = True
+        except (OSError, AttributeError):
+            self.available = False
+        self.start_bytes = self.peak_bytes = self.live() if self.available else 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="heap-sampler")
+
+    def live(self) -> int:
+        info = self._fn()
+        return int(info.uordblks + info.hblkhd)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak_bytes = max(self.peak_bytes, self.live())
+
+    def start(self) -> HeapSampler:
+        if self.available:
+            self._thread.start()
+        return self
+
+    def stop(self) -> dict[str, int] | None:
+        """{"start": live bytes at start, "peak": the largest sample} (None without mallinfo2)."""
+        if not self.available:
+            return None
+        self._stop.set()
+        self._thread.join()
+        self.peak_bytes = max(self.peak_bytes, self.live())
+        return {"start": self.start_bytes, "peak": self.peak_bytes}
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (getrusage's ru_maxrss, KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# ------------------------------------------------------------------------------------------------------ main
+def calibrate(cfg: dict[str, Any]) -> None:
+    """Measures the links of this layout and writes them where every paro run will read them."""
+    links = paro_torch.calibrate(cfg["calibration_path"], group_size=cfg["per_node"])
+    if dist.get_rank() == 0:
+        emit("calibration", path=cfg["calibration_path"], links=_asdict(links))
+
+
+def train(cfg: dict[str, Any]) -> None:
+    """Builds, wraps, warms up and measures one variant; rank 0 emits a ``run`` record."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    node = int(os.environ.get("GROUP_RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    bar = dist.new_group(backend="gloo")  # barriers and result gathering stay off the measured groups
+    iface = os.environ.get("GLOO_SOCKET_IFNAME") or "lo"
+    counter_ifaces = sorted({iface, "lo"}) if local_rank == 0 else None
+
+    def gathered(obj: Any) -> list[Any]:
+        objs: list[Any] = [None] * world
+        dist.all_gather_object(objs, obj, group=bar)
+        return objs
+
+    heap = HeapSampler().start()  # before the model exists: the peak minus this is what training added
+    t0 = time.perf_counter()
+    model, info = apply_scenario(build_model(cfg), cfg)
+    system = System(cfg, model, cfg["nodes"], cfg["per_node"])
+    setup_s = time.perf_counter() - t0
+    if rank == 0:
+        emit("meta", variant=cfg["variant"], scenario=cfg["scenario"], world=world, model=info, setup_s=setup_s)
+
+    steps, warmup, accum, mb = cfg["steps"], cfg["warmup"], cfg["grad_accum"], cfg["micro_batch"]
+    gen = torch.Generator().manual_seed(cfg["data_seed"])
+    data = torch.randint(0, cfg["model"]["vocab"], (warmup + steps, accum, world * mb, cfg["model"]["seq"]),
+                         generator=gen)  # fmt: skip
+    data = data[:, :, rank * mb : (rank + 1) * mb].contiguous()  # this rank's slice of every global batch
+
+    losses: list[float] = []
+    warm_times = []
+    for i in range(warmup):
+        dist.barrier(group=bar)
+        start = time.perf_counter()
+        losses.append(system.train_step(data[i]))
+        warm_times.append(time.perf_counter() - start)
+    rss_before = rss_bytes()
+
+    # what the barriers of the measured section add to the counters, measured with no step at all
+    _, overhead, _ = timed_section(None, lambda: None, steps, bar, counter_ifaces, False)
+    counter = iter(range(warmup, warmup + steps))
+    system.reset_counted()
+    times_ms, delta, _ = timed_section(
+        lambda: losses.append(system.train_step(data[next(counter)])), lambda: None, steps, bar, counter_ifaces, False
+    )
+    counted = system.counted()
+    heap_stats = heap.stop()
+    mine = {
+        "rank": rank,
+        "node": node,
+        "times_ms": times_ms,
+        "warmup_ms": [t * 1e3 for t in warm_times],
+        "losses": losses,
+        "delta": delta,
+        "overhead": overhead,
+        "counted": counted,
+        "rss_before_train": rss_before,
+        "peak_rss": peak_rss_bytes(),
+        "heap": heap_stats,
+        "memory_stats": system.memory_stats(),
+    }
+    rows = gathered(mine)
+    if rank == 0:
+        per_step_max = [max(r["times_ms"][i] for r in rows) for i in range(steps)]
+        step_losses = [sum(r["losses"][i] for r in rows) / world for i in range(warmup + steps)]
+        emit(
+            "run",
+            variant=cfg["variant"],
+            scenario=cfg["scenario"],
+            world=world,
+            model=info,
+            steps=steps,
+            warmup=warmup,
+            step_ms=per_step_max,
+            step_ms_median=statistics.median(per_step_max),
+            warmup_ms=[max(r["warmup_ms"][i] for r in rows) for i in range(warmup)],
+            times_ms_per_rank=[r["times_ms"] for r in rows],
+            losses=step_losses,
+            loss=step_losses[-1],
+            nodes=[{"node": r["node"], "delta": r["delta"], "overhead": r["overhead"]} for r in rows if r["delta"]],
+            counted=[r["counted"] for r in rows] if rows[0]["counted"] is not None else None,
+            peak_rss_per_rank=[r["peak_rss"] for r in rows],
+            rss_before_train_per_rank=[r["rss_before_train"] for r in rows],
+            heap_per_rank=[r["heap"] for r in rows],
+            memory_stats_per_rank=[r["memory_stats"] for r in rows] if rows[0]["memory_stats"] else None,
+            setup_s=setup_s,
+            extra=system.extra,
+        )
+        if not all(math.isfinite(x) for x in step_losses):
+            print(f"warning: non-finite loss {step_losses}", file=sys.stderr)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bench-config", required=True, help="JSON file written by training.py")
+    cfg = json.loads(open(ap.parse_args().bench_config).read())
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.get("timeout_s", 300)))
+    if cfg["mode"] == "calibrate":
+        calibrate(cfg)
+    else:
+        train(cfg)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        emit("done", variant=cfg.get("variant"))
+    dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _report_errors() -> Iterator[None]:
+    try:
+        yield
+    except Exception as e:  # make the failing rank and its reason obvious to the driver
+        msg = " ".join(str(e).split())[:600]
+        print(f"{ERROR_MARK}[rank {os.environ.get('RANK', '?')}] {type(e).__name__}: {msg}", file=sys.stderr,
+              flush=True)  # fmt: skip
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)  # do not hang in atexit handlers or process-group teardown
+
+
+if __name__ == "__main__":
+    with _report_errors():
+        main()
