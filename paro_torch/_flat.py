@@ -150,6 +150,15 @@ class FlatBuffer:
             out[i_lo:i_hi].copy_(shard)
         _all_gather(out, out[i_lo:i_hi], g.intra)
 
+    def held(self) -> tuple[torch.Tensor, int]:
+        """This rank's part of the buffer, detached, and where it starts in the padded buffer.
+
+        The master shard (os) for a trainable buffer, else the parameter shard (p).
+        """
+        if self.master is not None:
+            return self.master.detach(), self.range(self.strategy.os)[0]
+        return self.p_shard.detach(), self.p_lo
+
     def overlaps(self, lo: int, hi: int) -> list[tuple[ParamSlot, int, int]]:
         """(slot, start, stop) of every parameter's part inside [lo, hi) of the padded buffer (may be empty)."""
         out = []

@@ -36,14 +36,7 @@ FORMAT = 1
 
 
 def _buffers(model: ParoShardedModule) -> list[FlatBuffer]:
-    return [b for u in model._units for b in u.buffers]
-
-
-def _held(b: FlatBuffer) -> tuple[torch.Tensor, int]:
-    """The tensor a rank saves and loads for a buffer, and where it starts in the padded buffer."""
-    if b.master is not None:
-        return b.master.detach(), b.range(b.strategy.os)[0]
-    return b.p_shard.detach(), b.p_lo
+    return model._flat_buffers
 
 
 def _pieces(local: torch.Tensor, lo: int, b: FlatBuffer, prefix: str, suffix: str = "") -> dict[str, torch.Tensor]:
@@ -63,7 +56,7 @@ def _pieces(local: torch.Tensor, lo: int, b: FlatBuffer, prefix: str, suffix: st
 def _model_entries(model: ParoShardedModule) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for b in _buffers(model):
-        out.update(_pieces(*_held(b), b, "model."))
+        out.update(_pieces(*b.held(), b, "model."))
     return out
 
 
@@ -73,7 +66,7 @@ def _optimizer_entries(model: ParoShardedModule, optimizer: torch.optim.Optimize
     for b in _buffers(model):
         if b.master is None:
             continue
-        master, lo = _held(b)
+        master, lo = b.held()
         for name, v in optimizer.state.get(b.master, {}).items():
             if torch.is_tensor(v) and v.dim() == 1 and v.shape == master.shape:
                 out.update(_pieces(v, lo, b, "optim.", f".{name}"))
@@ -232,7 +225,7 @@ def _fresh_optimizer_entries(
     for b in _buffers(model):
         if b.master is None:
             continue
-        master, lo = _held(b)
+        master, lo = b.held()
         first = f"optim.{b.slots[0].fqn}."
         state: dict[str, torch.Tensor | str] = {}
         for key, kind in md.items():

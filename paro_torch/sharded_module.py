@@ -187,8 +187,8 @@ class ParoShardedModule(nn.Module):
         self._prefetched: dict[int, Future[None]] = {}
         self.prefetches = 0
         """Parameter gathers started ahead of their unit's forward or backward (for tests and profiling)."""
-        masters = [b.master for u in self._units for b in u.buffers if b.master is not None]
-        self._masters = nn.ParameterList(masters)
+        self._flat_buffers = [b for u in self._units for b in u.buffers]
+        self._masters = nn.ParameterList([b.master for b in self._flat_buffers if b.master is not None])
         for u in self._units:
             if u.module is not module:
                 u.module.register_forward_pre_hook(self._make_pre_forward(u), prepend=True)
@@ -317,18 +317,16 @@ class ParoShardedModule(nn.Module):
                 b.grad_ready = False
                 b.forget_full()
         if self._sync_gradients:
-            for u in self._units:
-                for b in u.buffers:
-                    if b.trainable:
-                        b.sync_grad()
+            for b in self._flat_buffers:
+                if b.trainable:
+                    b.sync_grad()
 
     # ----------------------------------------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Brings parameters up to date after an optimizer step, then runs the module."""
-        for u in self._units:
-            for b in u.buffers:
-                if b.trainable and b.params_stale():
-                    b.sync_params()
+        for b in self._flat_buffers:
+            if b.trainable and b.params_stale():
+                b.sync_params()
         root = self._units[-1]
         self._gather_now(root)
         root.set_views()
@@ -384,15 +382,14 @@ class ParoShardedModule(nn.Module):
         """
         out: dict[str, torch.Tensor] = {}
         keep = not rank0_only or self.groups.rank == 0
-        for u in self._units:
-            for b in u.buffers:
-                values = b.full_values()
-                if not keep:
-                    continue
-                for s in b.slots:
-                    out[s.fqn] = values[s.offset : s.offset + s.numel].view(s.shape).clone()
-                    for _, _, alias in s.aliases:
-                        out[alias] = out[s.fqn]
+        for b in self._flat_buffers:
+            values = b.full_values()
+            if not keep:
+                continue
+            for s in b.slots:
+                out[s.fqn] = values[s.offset : s.offset + s.numel].view(s.shape).clone()
+                for _, _, alias in s.aliases:
+                    out[alias] = out[s.fqn]
         return out
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
@@ -408,7 +405,7 @@ class ParoShardedModule(nn.Module):
         ``strict=False`` missing parameters keep their values and unknown names are ignored. Returns the
         missing and the unexpected names.
         """
-        buffers = [b for u in self._units for b in u.buffers]
+        buffers = self._flat_buffers
         shapes = {s.fqn: s.shape for b in buffers for s in b.slots}
         aliases = {a[2] for b in buffers for s in b.slots for a in s.aliases}
         missing = sorted(set(shapes) - set(state_dict))
@@ -421,8 +418,7 @@ class ParoShardedModule(nn.Module):
             )
         with torch.no_grad():
             for b in buffers:
-                held = b.master.detach() if b.master is not None else b.p_shard.detach()
-                lo = b.range(self.strategy.os)[0] if b.master is not None else b.p_lo
+                held, lo = b.held()
                 for s, start, stop in b.overlaps(lo, lo + held.numel()):
                     if s.fqn in state_dict:
                         flat = state_dict[s.fqn].detach().reshape(-1)
@@ -449,8 +445,7 @@ class ParoShardedModule(nn.Module):
         full = self.full_state_dict(rank0_only=rank0_only)
         places = [
             (m, name, s.fqn)
-            for u in self._units
-            for b in u.buffers
+            for b in self._flat_buffers
             for s in b.slots
             for m, name in [(s.module, s.name), *[(a[0], a[1]) for a in s.aliases]]
         ] if full else []  # fmt: skip
@@ -473,21 +468,18 @@ class ParoShardedModule(nn.Module):
         the parameter this rank holds (possibly empty), ``names`` its name and those it is tied under. For
         per-parameter treatment inside the optimizer's flat shards, e.g. weight decay only on some parameters.
         """
-        for u in self._units:
-            for b in u.buffers:
-                if b.master is None:
-                    continue
-                lo = b.range(self.strategy.os)[0]
-                for s, start, stop in b.overlaps(lo, lo + b.master.numel()):
-                    yield (s.fqn, *(a[2] for a in s.aliases)), b.master, start - lo, stop - lo
+        for b in self._flat_buffers:
+            if b.master is None:
+                continue
+            held, lo = b.held()
+            for s, start, stop in b.overlaps(lo, lo + held.numel()):
+                yield (s.fqn, *(a[2] for a in s.aliases)), b.master, start - lo, stop - lo
 
     def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Bytes this rank holds persistently for parameters, gradient accumulators and optimizer states."""
-        params = sum(b.p_shard.numel() * b.p_shard.element_size() for u in self._units for b in u.buffers)
-        grads = sum(
-            b.g_acc.numel() * b.g_acc.element_size() for u in self._units for b in u.buffers if b.g_acc is not None
-        )
-        masters = [b.master for u in self._units for b in u.buffers if b.master is not None]
+        params = sum(b.p_shard.numel() * b.p_shard.element_size() for b in self._flat_buffers)
+        grads = sum(b.g_acc.numel() * b.g_acc.element_size() for b in self._flat_buffers if b.g_acc is not None)
+        masters = [b.master for b in self._flat_buffers if b.master is not None]
         optim = 0
         if self.param_dtype != torch.float32:
             optim += sum(m.numel() * 4 for m in masters)
