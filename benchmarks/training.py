@@ -393,6 +393,8 @@ def markdown(result: dict[str, Any]) -> str:
         "ParoShardedModule.memory_stats(opt), max over ranks (MB = MiB here)",
         "- loss: the last step's loss, mean over ranks (the same global batch for every variant)",
     ]
+    if cf.get("note"):
+        lines.append(f"- note: {cf['note']}")
     if cal.get("ok"):
         lk = cal["links"]
         lines.append(
