@@ -3,8 +3,9 @@
 [Note: dataflow] Per unit (a wrapped block, or the root's remaining parameters) and per micro-step:
 unshard (gather p → N) before forward and again before backward when p is I or G, reshard after each; the
 whole-buffer gradient is reduced to g's layout and accumulated (nothing for N, intra reduce-scatter for I,
-plus inter reduce-scatter for G). At the accumulation boundary (the backward run with gradient sync on) the
-accumulated gradients go to os's layout (t_syncg) and become the master shard's ``.grad``; the user's
+plus inter reduce-scatter for G). At the accumulation boundary (the backward run with gradient sync on) each
+buffer's accumulated gradient goes to os's layout (t_syncg) right after its last reduction, still during
+backward, and becomes the master shard's ``.grad``; the user's
 optimizer updates only that shard; the next forward brings the update back to p's layout (t_syncp).
 """
 
@@ -187,6 +188,8 @@ class ParoShardedModule(nn.Module):
         self._prefetched: dict[int, Future[None]] = {}
         self.prefetches = 0
         """Parameter gathers started ahead of their unit's forward or backward (for tests and profiling)."""
+        self.overlapped_syncs = 0
+        """Boundary gradient syncs queued during backward, as each buffer's gradient completed (ditto)."""
         self._flat_buffers = [b for u in self._units for b in u.buffers]
         self._masters = nn.ParameterList([b.master for b in self._flat_buffers if b.master is not None])
         for u in self._units:
@@ -296,15 +299,25 @@ class ParoShardedModule(nn.Module):
             Variable._execution_engine.queue_callback(self._end_backward)
 
     def _grad_ready(self, buffer: FlatBuffer, grad: torch.Tensor) -> None:
-        """A unit's gradient is complete: queue its reduction behind the pending collectives."""
-        self._pending_reduce.append(self._comm.submit(buffer.reduce, grad))
+        """A unit's gradient is complete: queue its reduction (at a boundary, then its sync) behind the others.
+
+        Both run on the communication thread while the units before this one compute their backward.
+        """
+        self._pending_reduce.append(self._comm.submit(self._reduce_and_sync, buffer, grad, self._sync_gradients))
+        self.overlapped_syncs += self._sync_gradients
+
+    @staticmethod
+    def _reduce_and_sync(buffer: FlatBuffer, grad: torch.Tensor, sync: bool) -> None:
+        buffer.reduce(grad)
+        if sync:
+            buffer.sync_grad()
 
     def _finish_reductions(self) -> None:
         while self._pending_reduce:
             self._pending_reduce.pop(0).result()
 
     def _end_backward(self) -> None:
-        """Runs once when autograd finishes: reduce unused buffers, reshard, and sync at the boundary."""
+        """Runs once when autograd finishes: wait for the reductions, reduce (and sync) unused buffers, reshard."""
         self._in_backward = False
         self._finish_reductions()
         self._drain_prefetch()
@@ -313,13 +326,9 @@ class ParoShardedModule(nn.Module):
             u.needs_backward = False
             for b in u.buffers:
                 if b.trainable and not b.grad_ready:  # unused this step: reduce zeros so every rank agrees
-                    b.reduce(torch.zeros(b.padded, dtype=b.param_dtype))
+                    self._reduce_and_sync(b, torch.zeros(b.padded, dtype=b.param_dtype), self._sync_gradients)
                 b.grad_ready = False
                 b.forget_full()
-        if self._sync_gradients:
-            for b in self._flat_buffers:
-                if b.trainable:
-                    b.sync_grad()
 
     # ----------------------------------------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:

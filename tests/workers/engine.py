@@ -131,6 +131,9 @@ def check_variant(variant: str, strategies: list[str], groups: ParoGroups) -> No
             opt.zero_grad()
         if model.strategy.p != "N":  # the second block's parameters were gathered while the first computed
             assert model.prefetches >= STEPS * ACCUM - 1, model.prefetches
+        # every trainable buffer's boundary sync was queued during backward, not after it
+        syncs = STEPS * (ACCUM if variant == "syncall" else 1) * sum(b.trainable for b in model._flat_buffers)
+        assert model.overlapped_syncs == syncs, (code, variant, model.overlapped_syncs, syncs)
         got = model.state_dict()
         assert got.keys() == want.keys(), (sorted(got), sorted(want))
         worst = max((got[k].float() - want[k]).abs().max().item() for k in want)
