@@ -5,8 +5,8 @@ unshard (gather p → N) before forward and again before backward when p is I or
 whole-buffer gradient is reduced to g's layout and accumulated (nothing for N, intra reduce-scatter for I,
 plus inter reduce-scatter for G). At the accumulation boundary (the backward run with gradient sync on) each
 buffer's accumulated gradient goes to os's layout (t_syncg) right after its last reduction, still during
-backward, and becomes the master shard's ``.grad``; the user's
-optimizer updates only that shard; the next forward brings the update back to p's layout (t_syncp).
+backward, and becomes the master shard's ``.grad``; the user's optimizer updates only that shard; the next
+forward brings each unit's update back to p's layout (t_syncp) just ahead of the unit, on the comm thread.
 """
 
 from __future__ import annotations
@@ -88,8 +88,14 @@ class _Unit:
         self.needs_backward = False  # an output of this forward requires grad
 
     def gather(self) -> None:
+        """Brings the parameters up to date after an optimizer step (t_syncp), then unshards them."""
         for b in self.buffers:
+            if b.params_stale():
+                b.sync_params()
             b.unshard()
+
+    def stale(self) -> bool:
+        return any(b.params_stale() for b in self.buffers)
 
     def set_views(self) -> None:
         for b in self.buffers:
@@ -239,13 +245,14 @@ class ParoShardedModule(nn.Module):
 
     def _gather_now(self, unit: _Unit) -> None:
         """Waits for the unit's parameters: its prefetch, or a gather queued now behind the pending collectives."""
-        if self.strategy.p == N:
-            return
         pending = self._prefetched.pop(id(unit), None)
-        (pending or self._comm.submit(unit.gather)).result()
+        if pending is None and (self.strategy.p != N or unit.stale()):
+            pending = self._comm.submit(unit.gather)
+        if pending is not None:
+            pending.result()
 
     def _prefetch(self, unit: _Unit) -> None:
-        if self.strategy.p != N and id(unit) not in self._prefetched:
+        if (self.strategy.p != N or unit.stale()) and id(unit) not in self._prefetched:
             self._prefetched[id(unit)] = self._comm.submit(unit.gather)
             self.prefetches += 1
 
@@ -332,15 +339,17 @@ class ParoShardedModule(nn.Module):
 
     # ----------------------------------------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Brings parameters up to date after an optimizer step, then runs the module."""
-        for b in self._flat_buffers:
-            if b.trainable and b.params_stale():
-                b.sync_params()
+        """Runs the module, bringing each unit's parameters up to date on the communication thread ahead of it.
+
+        After an optimizer step, each unit's t_syncp (and for p = I, G its gather) overlaps the forward of the
+        units before it: one unit ahead for p = I, G; all queued at once for p = N, where that costs no memory.
+        """
         root = self._units[-1]
+        ahead = [u for u in self._order if u is not root] if self.strategy.p == N else self._order[:1]
+        for u in [root, *ahead] if self._order_known else [root]:
+            self._prefetch(u)
         self._gather_now(root)
         root.set_views()
-        if self._order_known and self._order:
-            self._prefetch(self._order[0])
         try:
             out = self.module(*args, **kwargs)
         finally:
