@@ -150,6 +150,7 @@ class System:
         self.cfg, self.nodes, self.per_node = cfg, nodes, per_node
         self.accum, self.clip, self.lr = cfg["grad_accum"], cfg["clip"], cfg["lr"]
         self.extra: dict[str, Any] = {}
+        self.phases: dict[str, float] = {}  # seconds per phase, summed since reset_counted
         self.optimizer: torch.optim.Optimizer | None = None
         system, _, option = cfg["variant"].partition(":")
         self.system, self.option = system, option
@@ -281,9 +282,11 @@ class System:
     def micro(self, x: torch.Tensor, last: bool) -> float:
         """Forward and backward of one micro-batch; gradient sync only on the last one of a step."""
         if self.system == "deepspeed":
-            loss = self.model(input_ids=x, labels=x).loss
-            self.model.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
-            self.model.step()  # applies the update at the accumulation boundary only
+            with self._phase("forward"):
+                loss = self.model(input_ids=x, labels=x).loss
+            with self._phase("backward + DeepSpeed step"):
+                self.model.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
+                self.model.step()  # applies the update at the accumulation boundary only
             return float(loss.detach())
         if self.system == "fsdp2":
             self.model.set_requires_gradient_sync(last)
@@ -291,21 +294,32 @@ class System:
         else:
             ctx = contextlib.nullcontext() if last else self.model.no_sync()
         with ctx:
-            loss = self.model(input_ids=x, labels=x).loss
-            (loss / self.accum).backward()
+            with self._phase("forward"):
+                loss = self.model(input_ids=x, labels=x).loss
+            with self._phase("backward (sync)" if last else "backward (no sync)"):
+                (loss / self.accum).backward()
         return float(loss.detach())
+
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
 
     def step(self) -> None:
         """Clip to the global norm and update (DeepSpeed did both in its last ``micro``)."""
         if self.system == "deepspeed":
             return
         assert self.optimizer is not None
-        if self.system in ("paro", "fsdp1"):
-            self.model.clip_grad_norm_(self.clip)
-        else:
-            torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], self.clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with self._phase("clip + optimizer"):
+            if self.system in ("paro", "fsdp1"):
+                self.model.clip_grad_norm_(self.clip)
+            else:
+                torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], self.clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
 
     def train_step(self, batches: torch.Tensor) -> float:
         """One optimizer step over ``batches`` (grad_accum x micro_batch x seq); returns the mean micro-batch loss."""
@@ -315,6 +329,7 @@ class System:
 
     # --- accounting
     def reset_counted(self) -> None:
+        self.phases.clear()
         if self.system == "paro":
             for pg in self._paro_groups:
                 paro_torch.reset_comm_stats(pg)
@@ -470,6 +485,7 @@ def train(cfg: dict[str, Any]) -> None:
         "peak_rss": peak_rss_bytes(),
         "heap": heap_stats,
         "memory_stats": system.memory_stats(),
+        "phases_ms": {k: v * 1e3 / steps for k, v in system.phases.items()},
     }
     rows = gathered(mine)
     if rank == 0:
@@ -487,6 +503,7 @@ def train(cfg: dict[str, Any]) -> None:
             step_ms_median=statistics.median(per_step_max),
             warmup_ms=[max(r["warmup_ms"][i] for r in rows) for i in range(warmup)],
             times_ms_per_rank=[r["times_ms"] for r in rows],
+            phases_ms_per_rank=[r["phases_ms"] for r in rows],  # per step, mean over the measured steps
             losses=step_losses,
             loss=step_losses[-1],
             nodes=[{"node": r["node"], "delta": r["delta"], "overhead": r["overhead"]} for r in rows if r["delta"]],

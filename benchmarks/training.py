@@ -229,6 +229,12 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def phase_means(run: dict[str, Any]) -> dict[str, float]:
+    """Milliseconds per step in each phase of one run, mean over ranks."""
+    ranks = run["phases_ms_per_rank"]
+    return {k: statistics.fmean(r.get(k, 0.0) for r in ranks) for k in ranks[0]}
+
+
 def summarize(result: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     """Per scenario, one row per variant over its repeats (medians), in the order of VARIANTS."""
     cf = result["config"]
@@ -265,6 +271,9 @@ def summarize(result: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
                     loss_per_repeat=[r["loss"] for r in ok],
                     model=first["model"],
                 )
+                phases = [phase_means(r) for r in ok if r.get("phases_ms_per_rank")]
+                if phases:  # seconds per step in each phase: mean over ranks, median over repeats
+                    row["phases_s"] = {k: statistics.median(p[k] for p in phases) / 1e3 for k in phases[0]}
                 if first.get("memory_stats_per_rank"):
                     row["model_states_max"] = max(sum(m.values()) for m in first["memory_stats_per_rank"])
                 ex = first.get("extra") or {}
@@ -440,6 +449,19 @@ def markdown(result: dict[str, Any]) -> str:
         losses = [r["loss"] for r in rows if r["ok"]]
         if losses:
             lines += ["", f"Losses over all variants: {min(losses):.5f} .. {max(losses):.5f}."]
+        phased = [r for r in rows if r.get("phases_s")]
+        if phased:
+            names = list(dict.fromkeys(k for r in phased for k in r["phases_s"]))
+            lines += [
+                "",
+                f"### {scenario}: where a step's time goes (s per step, summed over its micro-steps; mean over ranks)",
+                "",
+                "| variant | " + " | ".join(names) + " |",
+                "|---|" + "---:|" * len(names),
+            ]
+            for r in phased:
+                cells = " | ".join(_f(r["phases_s"].get(k), "{:.3f}", "–") for k in names)
+                lines.append(f"| {r['variant']} | {cells} |")
         pc = result["predictions"].get(scenario)
         if pc and pc["n"]:
             lines += [
