@@ -10,7 +10,9 @@
 //!
 //! Every algorithm is written for g groups of m ranks; when a level has a single rank its
 //! communication step becomes a local copy, so one code path serves 2-level, intra-only and
-//! inter-only (flat) topologies.
+//! inter-only (flat) topologies. All-gather, reduce-scatter and all-reduce on one level only skip
+//! that path: they run as the level's own collective (reduce-scatter as all-to-all + combine), without
+//! staging through scratch buffers.
 
 use serde::{Deserialize, Serialize};
 
@@ -260,6 +262,16 @@ impl Builder {
         self.steps.push(Step { stage, kind: Kind::AllToAll, level, src, dst, root: 0, bytes });
     }
 
+    /// An in-place all-reduce among `size` ranks at `level` (nothing when the level has one rank); nominal
+    /// bytes: a ring's 2(size−1) pieces of numel/size, rounded up.
+    fn all_reduce(&mut self, stage: u32, level: Level, size: u64, region: Region) {
+        if size == 1 {
+            return;
+        }
+        let bytes = 2 * (size - 1) * region.numel().div_ceil(size) * self.elem;
+        self.steps.push(Step { stage, kind: Kind::AllReduce, level, src: region, dst: region, root: 0, bytes });
+    }
+
     /// A rooted step (broadcast or reduce); nominal bytes: the root sends the buffer to each other rank
     /// (broadcast), each other rank sends it once (reduce).
     fn rooted(&mut self, stage: u32, kind: Kind, level: Level, peers: Peers, region: Region) {
@@ -313,8 +325,29 @@ pub fn plan(req: &Request) -> Result<Plan> {
     let policy = if g == 1 || m == 1 { ChunkPolicy { max_chunks: 1, ..req.chunks } } else { req.chunks };
     let mut b = Builder { steps: Vec::new(), elem: e };
     let t = |i: u8| Buf::Tmp(i);
-    let tmp: Vec<u64> = match req.collective {
-        Collective::Barrier => {
+    let single = if m == 1 {
+        Some((inter, g))
+    } else if g == 1 {
+        Some((intra, m))
+    } else {
+        None
+    };
+    let tmp: Vec<u64> = match (req.collective, single) {
+        // One level only: that level's own collective, no staging through scratch buffers.
+        (Collective::AllGather, Some((level, size))) if big_n > 0 => {
+            b.all_gather(0, level, size, Region::flat(Buf::Input, 0, big_n), Region::flat(Buf::Output, 0, n * big_n));
+            vec![]
+        }
+        (Collective::ReduceScatter, Some((level, size))) if big_n > 0 => {
+            b.all_to_all(0, level, size, Region::flat(Buf::Input, 0, n * big_n), Region::flat(t(0), 0, n * big_n));
+            b.local(1, Kind::Combine, Region::rows(t(0), 0, n, big_n), Region::flat(Buf::Output, 0, big_n));
+            vec![n * big_n]
+        }
+        (Collective::AllReduce, Some((level, size))) if big_n > 0 => {
+            b.all_reduce(0, level, size, Region::flat(Buf::Output, 0, big_n));
+            vec![]
+        }
+        (Collective::Barrier, _) => {
             let none = Region::flat(Buf::Input, 0, 0);
             b.steps.push(Step {
                 stage: 0,
@@ -327,7 +360,7 @@ pub fn plan(req: &Request) -> Result<Plan> {
             });
             vec![]
         }
-        Collective::AllGather => {
+        (Collective::AllGather, _) => {
             // Inter all-gather among the rail (blocks (k', r) for all k'), then intra all-gather of those
             // g blocks, then a local transpose into rank order k'·m + r'.
             for (c, (off, len)) in split_chunks(big_n, e, policy).into_iter().enumerate() {
@@ -346,7 +379,7 @@ pub fn plan(req: &Request) -> Result<Plan> {
             }
             vec![g * big_n, n * big_n]
         }
-        Collective::ReduceScatter => {
+        (Collective::ReduceScatter, _) => {
             // Permute so that intra peer r' receives blocks (k', r') for all k'; intra all-to-all + local
             // reduction; inter all-to-all of the g partial blocks + local reduction.
             for (c, (off, len)) in split_chunks(big_n, e, policy).into_iter().enumerate() {
@@ -383,7 +416,7 @@ pub fn plan(req: &Request) -> Result<Plan> {
             }
             vec![n * big_n, n * big_n, g * big_n, g * big_n]
         }
-        Collective::AllReduce => {
+        (Collective::AllReduce, _) => {
             // Each chunk padded to a multiple of n: intra reduce-scatter (all-to-all + combine), inter
             // reduce-scatter, inter all-gather, intra all-gather. Inter traffic: 1/m of the chunk.
             let mut poff = 0;
@@ -405,7 +438,7 @@ pub fn plan(req: &Request) -> Result<Plan> {
             }
             vec![poff, poff, poff / m, poff / m, poff / n]
         }
-        Collective::Broadcast | Collective::Reduce => {
+        (Collective::Broadcast | Collective::Reduce, _) => {
             let (kr, rr) = (topo.group_of(req.root) as u64, topo.local_rank(req.root) as u64);
             let kind = if req.collective == Collective::Broadcast { Kind::Broadcast } else { Kind::Reduce };
             for (c, (off, len)) in split_chunks(big_n, e, policy).into_iter().enumerate() {
