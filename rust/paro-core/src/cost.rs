@@ -747,7 +747,10 @@ struct StepPlan {
 
 /// Picks the strategy: among those that fit, the ones within `time_tolerance` of the fastest are a tie;
 /// among those, any within `memory_tolerance`·budget of the lightest may be taken, and the fastest of
-/// these wins (exact ties go to less memory, then to the canonical order).
+/// these wins. Among exact ties, those whose parameter sync (t_syncp: it runs before forward and can hide
+/// only behind the forward pass, where t_syncg hides behind the longer backward) takes over
+/// `time_tolerance` of the step's communication longer than the least are dropped; then less memory wins,
+/// then the canonical order.
 fn choose(
     estimates: &[StrategyEstimate],
     budget: u64,
@@ -763,10 +766,17 @@ fn choose(
         fitting.iter().copied().filter(|e| e.time_s <= fastest * (1.0 + sel.time_tolerance)).collect();
     let lightest = near.iter().map(|e| e.memory.total).min().unwrap_or(0);
     let slack = sel.memory_tolerance * budget as f64;
-    let by_time_then_memory = |a: &&&StrategyEstimate, b: &&&StrategyEstimate| {
-        a.time_s.total_cmp(&b.time_s).then(a.memory.total.cmp(&b.memory.total))
+    let light: Vec<&StrategyEstimate> =
+        near.iter().copied().filter(|e| (e.memory.total - lightest) as f64 <= slack).collect();
+    let Some(quickest) = light.iter().map(|e| e.time_s).min_by(f64::total_cmp) else {
+        return (None, no_fit_reason(estimates, budget, training, model));
     };
-    let Some(best) = near.iter().filter(|e| (e.memory.total - lightest) as f64 <= slack).min_by(by_time_then_memory)
+    let tied: Vec<&StrategyEstimate> = light.iter().copied().filter(|e| e.time_s == quickest).collect();
+    let least_syncp = tied.iter().map(|e| sync_param_s(e)).min_by(f64::total_cmp).unwrap_or(0.0);
+    let Some(best) = tied
+        .iter()
+        .filter(|e| sync_param_s(e) <= least_syncp + sel.time_tolerance * quickest)
+        .min_by_key(|e| e.memory.total)
     else {
         return (None, no_fit_reason(estimates, budget, training, model));
     };
@@ -780,6 +790,11 @@ fn choose(
         }),
         reason,
     )
+}
+
+/// Seconds of a strategy's predicted communication spent in the parameter sync (t_syncp).
+fn sync_param_s(e: &StrategyEstimate) -> f64 {
+    e.collectives.iter().filter(|c| c.phase == Phase::SyncParam).fold(0.0, |t, c| t + c.time_s)
 }
 
 fn choice_reason(
@@ -824,6 +839,22 @@ fn choice_reason(
             Ordering::Less => format!("is {} faster", pct(1.0 - o.time_s / best.time_s)),
             Ordering::Greater => format!("is {} slower", pct(o.time_s / best.time_s - 1.0)),
         };
+        let (mine, theirs) = (sync_param_s(best), sync_param_s(o));
+        if o.time_s == best.time_s && theirs > mine + sel.time_tolerance * best.time_s {
+            let memory = match more {
+                Ordering::Greater => format!("needs {diff} more per rank"),
+                Ordering::Equal => "needs the same memory".to_string(),
+                Ordering::Less => format!("needs {diff} less per rank"),
+            };
+            parts.push(format!(
+                "{} is as fast and {memory}, but spends {} of it in the parameter sync before forward (against {}), \
+                 which only the forward pass can hide",
+                o.code,
+                secs(theirs),
+                secs(mine)
+            ));
+            continue;
+        }
         let part = match more {
             Ordering::Greater => format!("{} {speed} but needs {diff} more per rank", o.code),
             Ordering::Equal => format!("{} {speed} and needs the same memory", o.code),
@@ -1165,6 +1196,32 @@ mod tests {
 
     fn chosen(report: &Report) -> &str {
         report.choice.as_ref().map(|c| c.code.as_str()).unwrap_or("none")
+    }
+
+    #[test]
+    fn exact_ties_avoid_a_long_parameter_sync() {
+        // The 2 x 2 benchmark at 200 Mbit/s: NNN, NNI and NNG move the same inter-group bytes and tie, but
+        // NNG's half of them in t_syncp (before forward) measured ~25% slower; NNI's t_syncp is intra only.
+        let cluster = Cluster {
+            world: 4,
+            group_size: 2,
+            intra_bandwidth: 148e6,
+            inter_bandwidth: 14.5e6,
+            intra_latency: 2e-3,
+            inter_latency: 7e-3,
+            memory_bytes: 6_000_000_000,
+        };
+        let block = (1_623_552, 1_623_552);
+        let mut req = request(blocks(&[block, block, block, block, (3_143_040, 3_143_040)]), None, cluster);
+        req.training.grad_accum = 2;
+        let report = estimate(&req).unwrap();
+        let (nnn, nni, nng) = (find(&report, "NNN"), find(&report, "NNI"), find(&report, "NNG"));
+        assert!(nnn.time_s == nni.time_s && nni.time_s == nng.time_s);
+        assert!(nng.memory.total < nni.memory.total && nni.memory.total < nnn.memory.total);
+        assert!(sync_param_s(nng) > sync_param_s(nni) + 0.05 * nng.time_s, "NNG's t_syncp crosses the slow link");
+        assert_eq!(chosen(&report), "NNN", "{}", report.reason);
+        assert!(report.reason.contains("NNG is as fast and needs"), "{}", report.reason);
+        assert!(report.reason.contains("in the parameter sync before forward"), "{}", report.reason);
     }
 
     #[test]
