@@ -6,6 +6,7 @@ intra-group collective and I→G an inter-group one among ranks of equal local r
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -71,6 +72,9 @@ class FlatBuffer:
         self.param_dtype = param_dtype
         self.numel = sum(s.numel for s in slots)
         self.padded = _C.padded_numel(self.numel, groups.world)
+        sizes = [s.numel for s in slots]
+        assert [s.offset for s in slots] == list(itertools.accumulate(sizes, initial=0))[:-1], "slots not contiguous"
+        self._split_sizes = [*sizes, self.padded - sum(sizes)]  # the parameters, then the padding
         full = torch.zeros(self.padded, dtype=param_dtype)
         master_full = torch.zeros(self.padded, dtype=torch.float32) if trainable else None
         for s, v in zip(slots, values, strict=True):
@@ -168,9 +172,14 @@ class FlatBuffer:
         return out
 
     def views(self) -> list[torch.Tensor]:
-        """The original parameters as views of the whole buffer (call after unshard)."""
+        """The original parameters as views of the whole buffer (call after unshard).
+
+        One ``split`` rather than a slice per parameter: autograd then builds the buffer's gradient with one
+        concatenation, where slices would each materialise a whole-buffer gradient to be summed.
+        """
         full = self.full if self.full is not None else self.p_shard
-        return [full[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots]
+        parts = full.split(self._split_sizes)
+        return [part.view(s.shape) for part, s in zip(parts, self.slots, strict=False)]
 
     # -- gradients ----------------------------------------------------------------------------------------------
     def _on_grad(self, full: torch.Tensor) -> None:
