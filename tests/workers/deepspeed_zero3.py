@@ -37,6 +37,10 @@ def main() -> None:
     stats = paro_torch.comm_stats()
     assert stats.intra_ops > 0 and stats.inter_ops > 0, stats
     print(f"rank {rank}: deepspeed zero3 max |diff| {worst:.2e}; {stats}")
+    # tear the groups down before interpreter exit, as every other worker does (an exit with live groups
+    # aborted once in CI with "terminate called without an active exception")
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
