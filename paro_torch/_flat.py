@@ -70,11 +70,11 @@ class FlatBuffer:
         self.groups = groups
         self.trainable = trainable
         self.param_dtype = param_dtype
-        self.numel = sum(s.numel for s in slots)
-        self.padded = _C.padded_numel(self.numel, groups.world)
         sizes = [s.numel for s in slots]
         assert [s.offset for s in slots] == list(itertools.accumulate(sizes, initial=0))[:-1], "slots not contiguous"
-        self._split_sizes = [*sizes, self.padded - sum(sizes)]  # the parameters, then the padding
+        self.numel = sum(sizes)
+        self.padded = _C.padded_numel(self.numel, groups.world)
+        self._split_sizes = [*sizes, self.padded - self.numel]  # the parameters, then the padding
         full = torch.zeros(self.padded, dtype=param_dtype)
         master_full = torch.zeros(self.padded, dtype=torch.float32) if trainable else None
         for s, v in zip(slots, values, strict=True):

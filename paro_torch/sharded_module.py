@@ -246,13 +246,17 @@ class ParoShardedModule(nn.Module):
     def _gather_now(self, unit: _Unit) -> None:
         """Waits for the unit's parameters: its prefetch, or a gather queued now behind the pending collectives."""
         pending = self._prefetched.pop(id(unit), None)
-        if pending is None and (self.strategy.p != N or unit.stale()):
+        if pending is None and self._gather_due(unit):
             pending = self._comm.submit(unit.gather)
         if pending is not None:
             pending.result()
 
+    def _gather_due(self, unit: _Unit) -> bool:
+        """Whether the unit has communication to run before it computes: a gather (p = I, G) or a t_syncp."""
+        return self.strategy.p != N or unit.stale()
+
     def _prefetch(self, unit: _Unit) -> None:
-        if (self.strategy.p != N or unit.stale()) and id(unit) not in self._prefetched:
+        if self._gather_due(unit) and id(unit) not in self._prefetched:
             self._prefetched[id(unit)] = self._comm.submit(unit.gather)
             self.prefetches += 1
 

@@ -843,19 +843,14 @@ fn choice_reason(
             Ordering::Less => format!("is {} faster", pct(1.0 - o.time_s / best.time_s)),
             Ordering::Greater => format!("is {} slower", pct(o.time_s / best.time_s - 1.0)),
         };
-        let (mine, theirs) = (sync_param_s(best), sync_param_s(o));
-        if o.time_s == best.time_s && theirs > mine + sel.time_tolerance * best.time_s {
-            let memory = match more {
-                Ordering::Greater => format!("needs {diff} more per rank"),
-                Ordering::Equal => "needs the same memory".to_string(),
-                Ordering::Less => format!("needs {diff} less per rank"),
-            };
+        // a tie that is lighter is within the memory slack too: `choose` dropped it for its t_syncp
+        if o.time_s == best.time_s && more == Ordering::Less {
             parts.push(format!(
-                "{} is as fast and {memory}, but spends {} of it across groups in the parameter sync before forward \
-                 (against {}), which only the forward pass can hide",
+                "{} is as fast and needs {diff} less per rank, but spends {} of it across groups in the parameter \
+                 sync before forward (against {}), which only the forward pass can hide",
                 o.code,
-                secs(theirs),
-                secs(mine)
+                secs(sync_param_s(o)),
+                secs(sync_param_s(best))
             ));
             continue;
         }
