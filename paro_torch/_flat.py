@@ -34,21 +34,33 @@ class ParamSlot:
     """Other (module, attribute, fqn) that share the parameter (tied weights)."""
 
 
-def _reduce_scatter(x: torch.Tensor, pg: dist.ProcessGroup | None) -> torch.Tensor:
+Sent = dict[str, int]
+"""Bytes this rank sent per level ("intra", "inter") by the ring formula of each collective it ran (nominal)."""
+
+
+def _ring(sent: Sent, level: str, pg: dist.ProcessGroup, x: torch.Tensor, times: int = 1) -> None:
+    """Counts what a ring collective on ``x`` (the whole buffer) sends from this rank: (k - 1)/k of it, per pass."""
+    k = dist.get_world_size(pg)
+    sent[level] += times * (k - 1) * (x.numel() * x.element_size() // k)
+
+
+def _reduce_scatter(x: torch.Tensor, pg: dist.ProcessGroup | None, sent: Sent, level: str) -> torch.Tensor:
     if pg is None:
         return x
     out = torch.empty(x.numel() // dist.get_world_size(pg), dtype=x.dtype)
     dist.reduce_scatter_tensor(out, x, group=pg)
+    _ring(sent, level, pg, x)
     return out
 
 
-def _all_gather(out: torch.Tensor, x: torch.Tensor, pg: dist.ProcessGroup | None) -> None:
+def _all_gather(out: torch.Tensor, x: torch.Tensor, pg: dist.ProcessGroup | None, sent: Sent, level: str) -> None:
     out, x = out.detach(), x.detach()  # collectives write in place; autograd must not see them
     if pg is None:
         out.copy_(x)
         return
     shares = x.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
     dist.all_gather_into_tensor(out, x.clone() if shares else x, group=pg)
+    _ring(sent, level, pg, out)
 
 
 class FlatBuffer:
@@ -63,8 +75,15 @@ class FlatBuffer:
         trainable: bool,
         param_dtype: torch.dtype,
         on_grad_ready: Callable[[FlatBuffer, torch.Tensor], None] | None = None,
+        reduce_groups: ParoGroups | None = None,
     ) -> None:
         self.slots = slots
+        self.sent: Sent = {"intra": 0, "inter": 0}
+        """Nominal bytes of gathers and t_syncp (the gather thread)."""
+        self.rsent: Sent = {"intra": 0, "inter": 0}
+        """Nominal bytes of reductions and t_syncg (the reduction thread)."""
+        self.rgroups = reduce_groups or groups
+        """The groups gradients are reduced on: a twin of ``groups`` when reductions run on their own thread."""
         self.on_grad_ready = on_grad_ready or (lambda b, grad: b.reduce(grad))
         self.strategy = strategy
         self.groups = groups
@@ -98,7 +117,6 @@ class FlatBuffer:
             g_lo, g_hi = self.range(strategy.g)
             # gradients are reduced and accumulated in the compute dtype (2 bytes for bf16, as in paro-spec §1)
             self.g_acc = torch.zeros(g_hi - g_lo, dtype=param_dtype)
-            self.synced_version = self.master._version
             if strategy.p == N:
                 self.p_shard.requires_grad_(True)
                 self.p_shard.register_post_accumulate_grad_hook(self._on_grad)
@@ -134,11 +152,9 @@ class FlatBuffer:
         if self.strategy.p != N and self.full is not None and self.full.untyped_storage().size() > 0:
             self.full.untyped_storage().resize_(0)
 
-    def forget_full(self) -> None:
-        """Drops the gathered tensor so the next forward builds a fresh leaf."""
-        if self.strategy.p != N:
-            self.reshard()
-            self.full = None
+    def full_freed(self) -> bool:
+        """Whether the whole buffer was gathered before and is resharded now (p = I, G)."""
+        return self.full is not None and self.strategy.p != N and self.full.untyped_storage().size() == 0
 
     def _gather_to_full(self, shard: torch.Tensor, granularity: str, out: torch.Tensor) -> None:
         """Out (whole padded buffer) ← shard held at granularity: inter all-gather G→I, intra all-gather I→N."""
@@ -149,10 +165,10 @@ class FlatBuffer:
             return
         i_lo, i_hi = self.range(I)
         if granularity == G:
-            _all_gather(out[i_lo:i_hi], shard, g.inter)
+            _all_gather(out[i_lo:i_hi], shard, g.inter, self.sent, "inter")
         else:
             out[i_lo:i_hi].copy_(shard)
-        _all_gather(out, out[i_lo:i_hi], g.intra)
+        _all_gather(out, out[i_lo:i_hi], g.intra, self.sent, "intra")
 
     def held(self) -> tuple[torch.Tensor, int]:
         """This rank's part of the buffer, detached, and where it starts in the padded buffer.
@@ -199,39 +215,41 @@ class FlatBuffer:
         assert self.g_acc is not None
         x = grad.to(self.g_acc.dtype) / self.groups.world  # pre-divide: sums of n ranks stay in range (fp16)
         if self.strategy.g != N:
-            x = _reduce_scatter(x.contiguous(), self.groups.intra)
+            x = _reduce_scatter(x.contiguous(), self.rgroups.intra, self.rsent, "intra")
         if self.strategy.g == G:
-            x = _reduce_scatter(x, self.groups.inter)
+            x = _reduce_scatter(x, self.rgroups.inter, self.rsent, "inter")
         self.g_acc.add_(x)
 
-    def sync_grad(self) -> None:
-        """Accumulation boundary: bring the accumulated gradients (already means over ranks) to os's layout."""
+    def sync_grad(self) -> bool:
+        """Accumulation boundary: bring the accumulated gradients (already means over ranks) to os's layout.
+
+        Returns whether it created the master's ``.grad`` (it was None).
+        """
         assert self.g_acc is not None and self.master is not None
-        s, groups = self.strategy, self.groups
+        s, groups = self.strategy, self.rgroups
         x = self.g_acc
         if s.g == N:
-            x = _reduce_scatter(x, groups.intra)
+            x = _reduce_scatter(x, groups.intra, self.rsent, "intra")
         if s.g in (N, I):  # partial sums across groups
             if s.os == G:
-                x = _reduce_scatter(x, groups.inter)
+                x = _reduce_scatter(x, groups.inter, self.rsent, "inter")
             elif groups.inter is not None:
                 x = x.clone()
                 dist.all_reduce(x, group=groups.inter)
+                _ring(self.rsent, "inter", groups.inter, x, times=2)
         if s.os == N:
             full = torch.empty(self.padded, dtype=x.dtype)
-            _all_gather(full, x, groups.intra)
+            _all_gather(full, x, groups.intra, self.rsent, "intra")
             x = full
-        if self.master.grad is None:
+        created = self.master.grad is None
+        if created:
             self.master.grad = x.to(self.master.dtype, copy=True)
         else:  # synced on more than one micro-step (no no_sync): gradients add up, as with DDP
             self.master.grad.add_(x)
         self.g_acc.zero_()
+        return created
 
     # -- parameters after the optimizer step: os → p ----------------------------------------------------------
-    def params_stale(self) -> bool:
-        """True when the optimizer changed the master shard since the last sync."""
-        return self.master is not None and self.master._version != self.synced_version
-
     def sync_params(self) -> None:
         """Brings the updated os shard back to p's layout: inter all-gather G→I, intra all-gather I→N."""
         assert self.master is not None
@@ -246,10 +264,11 @@ class FlatBuffer:
                 i_lo, i_hi = self.range(I)
                 if s.os == G:
                     dst = p_shard[i_lo - self.p_lo : i_hi - self.p_lo]
-                    _all_gather(dst, p_shard[os_lo - self.p_lo : os_hi - self.p_lo], self.groups.inter)
+                    _all_gather(
+                        dst, p_shard[os_lo - self.p_lo : os_hi - self.p_lo], self.groups.inter, self.sent, "inter"
+                    )
                 if s.p == N:
-                    _all_gather(p_shard, p_shard[i_lo:i_hi], self.groups.intra)
-        self.synced_version = self.master._version
+                    _all_gather(p_shard, p_shard[i_lo:i_hi], self.groups.intra, self.sent, "intra")
 
     def full_values(self) -> torch.Tensor:
         """The whole buffer's current values (masters for trainable parameters), gathered on every rank."""

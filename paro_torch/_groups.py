@@ -49,6 +49,7 @@ def build_groups(
     group_size: int | None = None,
     process_groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] | None = None,
     device_mesh: DeviceMesh | None = None,
+    backend: str | None = None,
 ) -> ParoGroups:
     """Creates (or adopts) the intra- and inter-group process groups; every rank must call it.
 
@@ -57,6 +58,8 @@ def build_groups(
         process_groups: An ``(intra, inter)`` pair to use as they are (as FSDP1's hybrid tuple).
         device_mesh: A 2-D mesh, outer dimension = inter-group (replicate), inner = intra-group (shard), as
             FSDP2 and accelerate lay out HSDP.
+        backend: The backend of new groups: default the world's (Gloo on CPU). The engine runs the hierarchy
+            itself, so plain groups suffice; ``"paro"`` groups count the bytes each level sends.
 
     Raises:
         TopologyError: the group size does not divide the world size, or the groups given do not fit.
@@ -80,8 +83,24 @@ def build_groups(
         return ParoGroups(world, m, rank, intra if m > 1 else None, inter if g > 1 else None, dist.group.WORLD)
     m = group_size if group_size is not None else resolve_group_size(world)
     _C.check_topology(world, m)
+    return _new_groups(world, m, rank, backend)
+
+
+def twin_groups(groups: ParoGroups) -> ParoGroups:
+    """New communicators over the same ranks and backend as ``groups``; every rank must call it.
+
+    Collectives on two threads need their own communicators: each thread's sequence is the same on every rank,
+    but how the two interleave is not.
+    """
+    level = groups.intra or groups.inter
+    backend = dist.get_backend(level) if level is not None else None
+    twin = _new_groups(groups.world, groups.group_size, groups.rank, backend)
+    whole = dist.new_group(list(range(groups.world)), backend=backend)
+    return ParoGroups(twin.world, twin.group_size, twin.rank, twin.intra, twin.inter, whole)
+
+
+def _new_groups(world: int, m: int, rank: int, backend: str | None) -> ParoGroups:
     g = world // m
-    backend = "paro"
     intra = inter = None
     for k in range(g):  # every rank creates every group, in the same order
         pg = dist.new_group(list(range(k * m, (k + 1) * m)), backend=backend) if m > 1 else None

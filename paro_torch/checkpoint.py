@@ -57,7 +57,13 @@ def _model_entries(model: ParoShardedModule) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for b in _buffers(model):
         out.update(_pieces(*b.held(), b, "model."))
+    out.update({f"model.{k}": v for k, v in _module_buffers(model).items()})
     return out
+
+
+def _module_buffers(model: ParoShardedModule) -> dict[str, torch.Tensor]:
+    """The wrapped module's persistent buffers (e.g. BatchNorm statistics), the same on every rank."""
+    return {k: v for k, v in model.module.state_dict(keep_vars=True).items() if torch.is_tensor(v)}
 
 
 def _optimizer_entries(model: ParoShardedModule, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -118,6 +124,7 @@ def save_checkpoint(
             "group_size": model.groups.group_size,
             "optimizer": optimizer is not None,
             "params": {s.fqn: list(s.shape) for b in _buffers(model) for s in b.slots},
+            "buffers": sorted(_module_buffers(model)),
         }
         (partial / MARKER).write_text(json.dumps(marker, indent=1))
         old = path.with_name(path.name + ".old")
@@ -146,7 +153,11 @@ def load_checkpoint(
         marker = _read_marker(path)
         metadata = dcp.FileSystemReader(path).read_metadata()
         _check_compatible(model, marker, metadata, path)
-        entries = _model_entries(model)
+        entries = {k: v for k, v in _model_entries(model).items() if k in metadata.state_dict_metadata}
+        missing = sorted(k for k in _module_buffers(model) if f"model.{k}" not in metadata.state_dict_metadata)
+        if missing and "buffers" in marker:  # checkpoints before buffers were saved have no such list
+            raise ValueError(f"checkpoint {path} lacks the buffers {', '.join(missing[:5])}; load it into the "
+                             "model it was saved from")  # fmt: skip
         if optimizer is not None:
             _check_optimizer(model, optimizer)
             if not marker.get("optimizer"):

@@ -12,9 +12,12 @@ forward brings each unit's update back to p's layout (t_syncp) just ahead of the
 from __future__ import annotations
 
 import contextlib
+import enum
 import hashlib
 import logging
 import os
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -24,12 +27,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from paro_torch import _C
 from paro_torch._agree import raise_together
 from paro_torch._backend import check_node_layout, resolve_group_size
 from paro_torch._flat import FlatBuffer, G, I, N, ParamSlot
-from paro_torch._groups import ParoGroups, build_groups
+from paro_torch._groups import ParoGroups, build_groups, twin_groups
 from paro_torch._report import format_report
 from paro_torch.api import MixedPrecision
 from paro_torch.auto import LinkCalibration, choose_strategy, default_memory_budget, measure_links
@@ -78,24 +82,40 @@ def _assign_units(module: nn.Module, policy: WrapPolicy) -> list[tuple[nn.Module
     return [(b, by_unit[id(b)]) for b in reversed(blocks)]
 
 
+class TrainingState(enum.Enum):
+    """Where a unit is in the step; hooks check it first (as FSDP2's ``TrainingState``).
+
+    A forward hook that fires in ``PRE_BACKWARD`` is a recomputation (activation checkpointing): it neither
+    prefetches nor reshards, since backward is about to use the parameters.
+    """
+
+    IDLE = enum.auto()
+    """Not running; parameters resharded (p = I, G)."""
+    FORWARD = enum.auto()
+    """Its forward runs."""
+    PRE_BACKWARD = enum.auto()
+    """Unsharded for its backward (or a recomputation inside it)."""
+    POST_BACKWARD = enum.auto()
+    """Its gradients are complete and handed to the communication thread."""
+
+
 class _Unit:
     """The parameters of one wrapped block: a trainable and a frozen flat buffer."""
 
     def __init__(self, module: nn.Module, buffers: list[FlatBuffer]) -> None:
         self.module = module
         self.buffers = buffers
-        self.backward_unsharded = False
-        self.needs_backward = False  # an output of this forward requires grad
+        self.state = TrainingState.IDLE
+        self.needs_sync = False
+        """The optimizer may have changed the masters: t_syncp before the next compute (set for every unit alike)."""
 
     def gather(self) -> None:
         """Brings the parameters up to date after an optimizer step (t_syncp), then unshards them."""
         for b in self.buffers:
-            if b.params_stale():
+            if self.needs_sync and b.master is not None:
                 b.sync_params()
             b.unshard()
-
-    def stale(self) -> bool:
-        return any(b.params_stale() for b in self.buffers)
+        self.needs_sync = False
 
     def set_views(self) -> None:
         for b in self.buffers:
@@ -127,6 +147,8 @@ class ParoShardedModule(nn.Module):
             default: the GPU's free memory, or the host's memory shared by one group's ranks.
         grad_accum: Micro-steps per optimizer step, for the cost model.
         calibration: Link figures for auto (a LinkCalibration or a JSON path; also PARO_CALIBRATION).
+        sync_module_states: Broadcast rank 0's parameters and buffers first (as DDP does), so that ranks that
+            built the model with different seeds train one model.
 
     Raises:
         InvalidStrategyError: unknown or eliminated strategy. TopologyError: sizes that do not fit.
@@ -146,6 +168,7 @@ class ParoShardedModule(nn.Module):
         memory_budget: int | None = None,
         grad_accum: int = 1,
         calibration: LinkCalibration | str | None = None,
+        sync_module_states: bool = True,
     ) -> None:
         super().__init__()
         param_dtype = mixed_precision.param_dtype if mixed_precision is not None else torch.float32
@@ -180,24 +203,67 @@ class ParoShardedModule(nn.Module):
             parsed = _C.Strategy(code)
         assert parsed is not None
         self.strategy = parsed
+        if sync_module_states:
+            _broadcast_from_rank0(module, self.groups.whole)
+        self._rgroups = twin_groups(self.groups)
+        self._gather_world = dist.new_group(list(range(self.groups.world)), backend=dist.get_backend(self.groups.whole))
         self._units = self._build_units(assignments)
+        self._flat_buffers = [b for u in self._units for b in u.buffers]
         self._sync_gradients = True
         self._in_backward = False
-        # [Note: one communication thread] Every collective of forward and backward (parameter gathers,
-        # gradient reductions) runs on one helper thread, in the order the main thread submits them, which is
-        # the same on every rank; the main thread computes meanwhile. Gathers run one unit ahead (prefetch):
-        # in forward order during forward, in reverse during backward; the order is learnt on the first forward.
-        self._comm = ThreadPoolExecutor(1, thread_name_prefix="paro-comm")
-        self._pending_reduce: list[Future[None]] = []
-        self._order: list[_Unit] = []
-        self._order_known = False
-        self._prefetched: dict[int, Future[None]] = {}
+        # [Note: communication threads] Gathers (and t_syncp) run on one thread, reductions (and t_syncg) on
+        # another, each on its own communicators, so that neither waits for the other and each one's sequence
+        # of collectives is the same on every rank:
+        # - gathers follow one fixed order per pass (forward: units in definition order, root first; backward:
+        #   the reverse, over the units some rank needs in backward, agreed by a small all-reduce when forward
+        #   ends). A unit needed out of order, or skipped on this rank, is gathered anyway at its place (and
+        #   freed when the pass ends), so every rank gathers the same units in the same order, one ahead of
+        #   the computation (prefetch);
+        # - reductions follow one fixed order too (see [Note: reduction order]).
+        self._gathers = ThreadPoolExecutor(1, thread_name_prefix="paro-gather")
+        self._reducer = ThreadPoolExecutor(1, thread_name_prefix="paro-reduce")
+        self._fwd_order = list(reversed(self._units))  # root first
+        self._pass: list[_Unit] = []
+        self._pass_next = 0
+        self._gathered: dict[int, Future[None]] = {}
+        self._bwd_flags: list[tuple[torch.Tensor, Future[Any]]] = []
+        self._needs_bwd = torch.zeros(len(self._units), dtype=torch.int64)
+        self._root_grad = False
         self.prefetches = 0
         """Parameter gathers started ahead of their unit's forward or backward (for tests and profiling)."""
         self.overlapped_syncs = 0
         """Boundary gradient syncs queued during backward, as each buffer's gradient completed (ditto)."""
-        self._flat_buffers = [b for u in self._units for b in u.buffers]
+        # [Note: reduction order] Reductions go out in one fixed order on every rank (units in reverse definition
+        # order, which is backward order for a stack of blocks, root last), whatever order autograd completes
+        # them in: a gradient that completes early waits for those before it. A buffer whose gradient never
+        # came (its unit was skipped on this rank) is reduced as zeros when backward ends, so the result is the
+        # mean over ranks with zeros where unused, as DDP's find_unused_parameters. Which buffers were used is
+        # agreed at each boundary (one small all-reduce after the reductions): one unused on every rank keeps
+        # its gradient None, as in single-process training.
+        self._pending_reduce: list[Future[Any]] = []
+        self._reduce_order = [b for b in self._flat_buffers if b.trainable]
+        self._ready: dict[int, torch.Tensor | None] = {}
+        self._next_reduce = 0
+        self._used = torch.zeros(len(self._reduce_order), dtype=torch.int64)
+        self._created_grad: set[int] = set()
+        # [Note: parameter sync] t_syncp (masters -> parameters) runs before the first forward after every
+        # boundary backward, for every unit on every rank alike, whatever the optimizer did: fused and
+        # raw-pointer optimizers update the masters without a trace, and a step skipped on one rank only must
+        # not change which collectives run. An optimizer step after that forward would leave the parameters
+        # stale: it is detected and reported at the next boundary (see _end_backward).
+        self._sync_params_next = False
+        self._synced_since_boundary = False
+        self._late_step = False
         self._masters = nn.ParameterList([b.master for b in self._flat_buffers if b.master is not None])
+        master_ids = {id(p) for p in self._masters}
+        me = weakref.ref(self)
+
+        def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            owner = me()
+            if owner is not None and owner._synced_since_boundary and _optimizes(optimizer, master_ids):
+                owner._late_step = True
+
+        self._step_hook = register_optimizer_step_post_hook(after_step)
         for u in self._units:
             if u.module is not module:
                 u.module.register_forward_pre_hook(self._make_pre_forward(u), prepend=True)
@@ -224,144 +290,244 @@ class ParoShardedModule(nn.Module):
                         offset += p.numel()
                     del m._parameters[name]
                 buffers.append(
-                    FlatBuffer(slots, values, self.strategy, self.groups, trainable, self.param_dtype, self._grad_ready)
+                    FlatBuffer(
+                        slots,
+                        values,
+                        self.strategy,
+                        self.groups,
+                        trainable,
+                        self.param_dtype,
+                        self._grad_ready,
+                        reduce_groups=self._rgroups,
+                    )
                 )
             units.append(_Unit(block, buffers))
         return units
 
     # ------------------------------------------------------------------------------------------------- hooks
-    def _make_pre_forward(self, unit: _Unit) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
-            self._gather_now(unit)
-            unit.set_views()
-            if not self._order_known:
-                self._order.append(unit)
-            else:
-                i = next((j for j, u in enumerate(self._order) if u is unit), len(self._order))
-                if i + 1 < len(self._order):
-                    self._prefetch(self._order[i + 1])
+    @staticmethod
+    def _in_autograd() -> bool:
+        """True while autograd runs a backward (a forward now is a recomputation for activation checkpointing)."""
+        return torch._C._current_graph_task_id() != -1
 
-        return hook
-
-    def _gather_now(self, unit: _Unit) -> None:
-        """Waits for the unit's parameters: its prefetch, or a gather queued now behind the pending collectives."""
-        pending = self._prefetched.pop(id(unit), None)
-        if pending is None and self._gather_due(unit):
-            pending = self._comm.submit(unit.gather)
-        if pending is not None:
-            pending.result()
+    def _begin_pass(self, order: list[_Unit]) -> None:
+        self._pass, self._pass_next = order, 0
 
     def _gather_due(self, unit: _Unit) -> bool:
         """Whether the unit has communication to run before it computes: a gather (p = I, G) or a t_syncp."""
-        return self.strategy.p != N or unit.stale()
+        return self.strategy.p != N or unit.needs_sync
 
-    def _prefetch(self, unit: _Unit) -> None:
-        if self._gather_due(unit) and id(unit) not in self._prefetched:
-            self._prefetched[id(unit)] = self._comm.submit(unit.gather)
-            self.prefetches += 1
+    def _submit_through(self, i: int) -> None:
+        """Queues the gathers of the pass's units up to index ``i``, in order (see [Note: communication threads])."""
+        while self._pass_next <= min(i, len(self._pass) - 1):
+            u = self._pass[self._pass_next]
+            self._pass_next += 1
+            if self._gather_due(u) and id(u) not in self._gathered:
+                self._gathered[id(u)] = self._gathers.submit(u.gather)
 
-    def _drain_prefetch(self) -> None:
-        """Waits for prefetches that were not used (e.g. a unit skipped this time) and frees them."""
-        for key, fut in list(self._prefetched.items()):
+    def _acquire(self, unit: _Unit, prefetch: bool = True) -> None:
+        """Makes the unit's parameters available now, queuing the gathers due before it and the next one."""
+        i = next((j for j, u in enumerate(self._pass) if u is unit), None)
+        if i is None or i < self._pass_next and id(unit) not in self._gathered:
+            # outside the pass (e.g. a unit run twice in a forward): a gather of its own, as on every rank
+            if self._gather_due(unit) or any(b.full_freed() for b in unit.buffers):
+                self._gathers.submit(unit.gather).result()
+            return
+        self._submit_through(i)
+        pending = self._gathered.pop(id(unit), None)
+        if prefetch and self._pass_next < len(self._pass):
+            before = len(self._gathered)
+            self._submit_through(self._pass_next)
+            self.prefetches += len(self._gathered) - before
+        if pending is not None:
+            pending.result()
+
+    def _end_pass(self) -> None:
+        """Gathers what the pass has not (units skipped on this rank), waits for every gather, reshards the rest."""
+        self._submit_through(len(self._pass) - 1)
+        for key, fut in list(self._gathered.items()):
             fut.result()
             unit = next(u for u in self._units if id(u) == key)
-            unit.reshard()
-        self._prefetched.clear()
+            if self.strategy.p != N and unit is not self._units[-1]:
+                unit.reshard()
+        self._gathered.clear()
+        self._pass = []
+
+    def _make_pre_forward(self, unit: _Unit) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if self._in_autograd():  # recomputation: unshard if needed, no prefetch, stay unsharded
+                self._unshard_for_backward(unit, prefetch=False)
+                if torch.is_grad_enabled():  # reentrant checkpointing ran forward without grad: views anew
+                    unit.set_views()
+                return
+            unit.state = TrainingState.FORWARD
+            self._acquire(unit)
+            unit.set_views()
+
+        return hook
 
     def _make_post_forward(self, unit: _Unit) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            if self._in_autograd():  # recomputation: backward is about to use the parameters
+                return output
             if self.strategy.p != N:
                 unit.reshard()
-            self._register_pre_backward(unit, output)
+            unit.state = TrainingState.IDLE
+            # reentrant checkpointing runs the unit without grad, and again in backward: it needs backward too
+            if self._register_pre_backward(unit, output) or self._root_grad and not torch.is_grad_enabled():
+                self._needs_bwd[self._units.index(unit)] = 1
             return output
 
         return hook
 
-    def _register_pre_backward(self, unit: _Unit, output: Any) -> None:
+    def _register_pre_backward(self, unit: _Unit, output: Any) -> bool:
+        """Hooks the unit's gather for backward on its outputs; returns whether any requires grad."""
         if not torch.is_grad_enabled():
-            return
+            return False
 
         def hook(grad: torch.Tensor) -> torch.Tensor:
             self._start_backward()
-            if not unit.backward_unsharded:
-                unit.backward_unsharded = True
-                self._gather_now(unit)
-                self._prefetch_backward(unit)
+            self._unshard_for_backward(unit, prefetch=True)
             return grad
 
         outputs = [t for t in _tensors(output) if t.requires_grad]
-        unit.needs_backward = unit.needs_backward or bool(outputs)
         for t in outputs:
             t.register_hook(hook)
+        return bool(outputs)
 
-    def _prefetch_backward(self, unit: _Unit) -> None:
-        """Starts gathering the unit whose backward comes next (the one before it in forward order)."""
-        if not self._order_known:
+    def _unshard_for_backward(self, unit: _Unit, prefetch: bool) -> None:
+        """Gathers the unit for its backward once per backward (its pre-backward hook or a recomputation)."""
+        self._start_backward()
+        if unit.state is TrainingState.PRE_BACKWARD:
             return
-        i = next((j for j, u in enumerate(self._order) if u is unit), len(self._order))
-        for prev in reversed(self._order[:i]):
-            if prev.needs_backward and not prev.backward_unsharded:
-                self._prefetch(prev)
-                return
+        if unit.state is TrainingState.POST_BACKWARD and not any(b.full_freed() for b in unit.buffers):
+            return
+        unit.state = TrainingState.PRE_BACKWARD
+        self._acquire(unit, prefetch)
 
     def _start_backward(self) -> None:
-        if not self._in_backward:
-            self._in_backward = True
-            Variable._execution_engine.queue_callback(self._end_backward)
+        """At the first hook of a backward: agree on the units it gathers, queue the end-of-backward callback."""
+        if self._in_backward:
+            return
+        self._in_backward = True
+        Variable._execution_engine.queue_callback(self._end_backward)
+        if self.strategy.p == N:
+            return
+        needs = torch.zeros_like(self._needs_bwd)
+        for flags, fut in self._bwd_flags:
+            fut.result()
+            needs |= flags
+        self._bwd_flags.clear()
+        self._begin_pass([u for u in self._units if needs[self._units.index(u)]])  # backward order
 
     def _grad_ready(self, buffer: FlatBuffer, grad: torch.Tensor) -> None:
-        """A unit's gradient is complete: queue its reduction (at a boundary, then its sync) behind the others.
+        """A buffer's gradient is complete: queue the reductions now due in the fixed order (Note: reduction order).
 
-        Both run on the communication thread while the units before this one compute their backward.
+        They run on the reduction thread while the units before this one compute their backward.
         """
-        self._pending_reduce.append(self._comm.submit(self._reduce_and_sync, buffer, grad, self._sync_gradients))
-        self.overlapped_syncs += self._sync_gradients
+        i = self._reduce_order.index(buffer)
+        if i in self._ready or i < self._next_reduce:
+            raise RuntimeError(
+                f"paro_torch: the gradient of the unit holding {buffer.slots[0].fqn} completed twice in one "
+                "backward; a unit's parameters must reach the loss through one backward pass per micro-step"
+            )
+        self._used[i] = 1
+        self._ready[i] = grad
+        for u in self._units:
+            if buffer in u.buffers and all(b.grad_ready or not b.trainable for b in u.buffers):
+                u.state = TrainingState.POST_BACKWARD
+        self._flush_reductions()
 
-    @staticmethod
-    def _reduce_and_sync(buffer: FlatBuffer, grad: torch.Tensor, sync: bool) -> None:
-        buffer.reduce(grad)
-        if sync:
-            buffer.sync_grad()
+    def _flush_reductions(self) -> None:
+        while self._next_reduce in self._ready:
+            i = self._next_reduce
+            grad = self._ready.pop(i)
+            self._next_reduce += 1
+            self._pending_reduce.append(self._reducer.submit(self._reduce_and_sync, i, grad, self._sync_gradients))
+            self.overlapped_syncs += self._sync_gradients
+
+    def _reduce_and_sync(self, i: int, grad: torch.Tensor | None, sync: bool) -> None:
+        buffer = self._reduce_order[i]
+        buffer.reduce(grad if grad is not None else torch.zeros(buffer.padded, dtype=buffer.param_dtype))
+        if sync and buffer.sync_grad():
+            self._created_grad.add(i)
 
     def _finish_reductions(self) -> None:
         while self._pending_reduce:
             self._pending_reduce.pop(0).result()
 
     def _end_backward(self) -> None:
-        """Runs once when autograd finishes: wait for the reductions, reduce (and sync) unused buffers, reshard."""
+        """Runs once when autograd finishes: reduce unused buffers as zeros, agree on use at a boundary, reshard."""
         self._in_backward = False
+        if self.strategy.p != N:
+            self._end_pass()
+        for i in range(self._next_reduce, len(self._reduce_order)):
+            self._ready.setdefault(i, None)  # unused on this rank in this micro-step
+        self._flush_reductions()
+        self._next_reduce = 0
+        flags = torch.cat([self._used, torch.tensor([int(self._late_step)])])
+        if self._sync_gradients:
+            self._pending_reduce.append(self._reducer.submit(dist.all_reduce, flags, group=self._rgroups.whole))
         self._finish_reductions()
-        self._drain_prefetch()
         for u in self._units:
-            u.backward_unsharded = False
-            u.needs_backward = False
+            u.state = TrainingState.IDLE
             for b in u.buffers:
-                if b.trainable and not b.grad_ready:  # unused this step: reduce zeros so every rank agrees
-                    self._reduce_and_sync(b, torch.zeros(b.padded, dtype=b.param_dtype), self._sync_gradients)
                 b.grad_ready = False
-                b.forget_full()
+                b.reshard()
+        if not self._sync_gradients:
+            return
+        late, used = bool(flags[-1]), flags[:-1]
+        for i in self._created_grad:
+            if used[i] == 0:  # unused on every rank in this accumulation window: no gradient, as in one process
+                self._reduce_order[i].master.grad = None  # type: ignore[union-attr]
+        self._created_grad.clear()
+        self._used.zero_()
+        self._sync_params_next = True
+        self._synced_since_boundary = False
+        self._late_step = False
+        if late:
+            raise RuntimeError(
+                "paro_torch: optimizer.step() ran after a forward that followed the last gradient sync, so that "
+                "forward synced the parameters before the step and the steps since used stale parameters; call "
+                "optimizer.step() (and zero_grad()) before the next forward of the model"
+            )
 
     # ----------------------------------------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Runs the module, bringing each unit's parameters up to date on the communication thread ahead of it.
+        """Runs the module, bringing each unit's parameters up to date on the gather thread ahead of it.
 
         After an optimizer step, each unit's t_syncp (and for p = I, G its gather) overlaps the forward of the
         units before it: one unit ahead for p = I, G; all queued at once for p = N, where that costs no memory.
         """
+        if self._sync_params_next:  # see [Note: parameter sync]
+            self._sync_params_next = False
+            self._synced_since_boundary = True
+            for u in self._units:
+                u.needs_sync = any(b.master is not None for b in u.buffers)
         root = self._units[-1]
-        ahead = [u for u in self._order if u is not root] if self.strategy.p == N else self._order[:1]
-        for u in [root, *ahead] if self._order_known else [root]:
-            self._prefetch(u)
-        self._gather_now(root)
+        self._begin_pass(self._fwd_order)
+        self._root_grad = torch.is_grad_enabled()
+        self._needs_bwd.zero_()
+        if self.strategy.p == N:
+            self._submit_through(len(self._fwd_order) - 1)
+            self.prefetches += len(self._gathered) - (id(root) in self._gathered)
+        root.state = TrainingState.FORWARD
+        self._acquire(root)
         root.set_views()
         try:
             out = self.module(*args, **kwargs)
         finally:
-            self._drain_prefetch()
-        self._order_known = True
+            self._end_pass()
         if self.strategy.p != N:
             root.reshard()
-        self._register_pre_backward(root, out)
+        root.state = TrainingState.IDLE
+        if self._register_pre_backward(root, out):
+            self._needs_bwd[len(self._units) - 1] = 1
+        if self._root_grad and self.strategy.p != N:  # agree on the units backward gathers
+            flags = self._needs_bwd.clone()
+            self._bwd_flags.append(
+                (flags, self._gathers.submit(dist.all_reduce, flags, op=dist.ReduceOp.MAX, group=self._gather_world))
+            )
         return out
 
     # ----------------------------------------------------------------------------------------- training API
@@ -397,13 +563,17 @@ class ParoShardedModule(nn.Module):
         return norm
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-        """Every parameter whole (masters in float32 for trainable ones), under its original name.
+        """Every parameter whole (masters in float32 for trainable ones) and every buffer, under its original name.
 
         Call on every rank. With ``rank0_only`` the other ranks return an empty dict and hold one buffer at a
         time while gathering (as FSDP's ``rank0_only``), for saving models that do not fit one rank twice.
         """
         out: dict[str, torch.Tensor] = {}
         keep = not rank0_only or self.groups.rank == 0
+        if keep:  # buffers (e.g. BatchNorm statistics) and extra state: the module's own, since parameters are ours
+            out.update(
+                {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in self.module.state_dict().items()}
+            )
         for b in self._flat_buffers:
             values = b.full_values()
             if not keep:
@@ -414,9 +584,14 @@ class ParoShardedModule(nn.Module):
                     out[alias] = out[s.fqn]
         return out
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
-        """The full state dict (see ``full_state_dict``): whole parameters under the wrapped module's names."""
-        return self.full_state_dict()
+    def state_dict(  # type: ignore[override]
+        self, *args: Any, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, Any]:
+        """The full state dict (see ``full_state_dict``) under ``prefix``, into ``destination``; collective."""
+        out: dict[str, Any] = destination if destination is not None else OrderedDict()
+        for k, v in self.full_state_dict().items():
+            out[prefix + k] = v
+        return out
 
     def load_full_state_dict(
         self, state_dict: dict[str, torch.Tensor], strict: bool = True
@@ -497,6 +672,25 @@ class ParoShardedModule(nn.Module):
             for s, start, stop in b.overlaps(lo, lo + held.numel()):
                 yield (s.fqn, *(a[2] for a in s.aliases)), b.master, start - lo, stop - lo
 
+    def comm_bytes(self) -> dict[str, int]:
+        """Bytes this rank sent per level ("intra", "inter") in the engine's collectives since the last reset.
+
+        Nominal: each collective counted by the ring formula ((k - 1)/k of the buffer per pass, as the cost model
+        counts it), not measured on the wire; the ``paro`` backend's ``comm_stats`` measures its own groups.
+        """
+        out = {"intra": 0, "inter": 0}
+        for b in self._flat_buffers:
+            for sent in (b.sent, b.rsent):
+                for level in out:
+                    out[level] += sent[level]
+        return out
+
+    def reset_comm_bytes(self) -> None:
+        """Zeroes the counters of ``comm_bytes``."""
+        for b in self._flat_buffers:
+            b.sent.update(intra=0, inter=0)
+            b.rsent.update(intra=0, inter=0)
+
     def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Bytes this rank holds persistently for parameters, gradient accumulators and optimizer states."""
         params = sum(b.p_shard.numel() * b.p_shard.element_size() for b in self._flat_buffers)
@@ -511,6 +705,22 @@ class ParoShardedModule(nn.Module):
                     if torch.is_tensor(v) and v.numel() > 1:
                         optim += v.numel() * v.element_size()
         return {"params": params, "grads": grads, "optimizer_states": optim}
+
+
+def _broadcast_from_rank0(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """Makes every parameter and buffer equal to rank 0's (one broadcast per dtype)."""
+    tensors = list({id(t): t for t in [*module.parameters(), *module.buffers()]}.values())
+    for dtype in sorted({t.dtype for t in tensors}, key=str):
+        same = [t for t in tensors if t.dtype == dtype]
+        flat = torch.cat([t.detach().reshape(-1) for t in same])
+        dist.broadcast(flat, src=0, group=group)
+        with torch.no_grad():
+            for t, v in zip(same, flat.split([t.numel() for t in same]), strict=True):
+                t.copy_(v.view_as(t))
+
+
+def _optimizes(optimizer: torch.optim.Optimizer, master_ids: set[int]) -> bool:
+    return any(id(p) in master_ids for group in optimizer.param_groups for p in group["params"])
 
 
 def _tensors(x: Any) -> Iterator[torch.Tensor]:

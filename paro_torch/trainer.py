@@ -11,9 +11,11 @@ Usage (launch with ``torchrun``; ``PARO_GROUP_SIZE`` or torchrun's ``LOCAL_WORLD
 Everything else comes from ``TrainingArguments`` as usual: ``gradient_accumulation_steps`` (the boundary gradient sync
 runs on the last micro-step only), ``max_grad_norm`` (clipped by the global norm over the sharded master gradients),
 ``bf16`` (``MixedPrecision(param_dtype=torch.bfloat16)``: bf16 compute and communication, float32 masters; no
-autocast), ``optim``, ``learning_rate``, ``weight_decay`` (on the parameters ``get_decay_parameter_names`` picks, as
-``Trainer`` does), ``lr_scheduler_type``, ``logging_steps``, ``eval_strategy``, ``save_steps`` and
-``load_best_model_at_end`` (both need ``save_only_model=False``, the default, as resuming does).
+autocast), ``optim`` (the default ``adamw_torch_fused`` included), ``learning_rate``, ``weight_decay`` (on the
+parameters ``get_decay_parameter_names`` picks, as ``Trainer`` does), ``activation_checkpointing`` (alias
+``gradient_checkpointing``; non-reentrant unless ``activation_checkpointing_kwargs`` say otherwise),
+``lr_scheduler_type``, ``logging_steps``, ``eval_strategy``, ``save_steps`` and ``load_best_model_at_end`` (both need
+``save_only_model=False``, the default, as resuming does).
 
 [Note: ParoTrainer and the Trainer's plumbing]
 - The model is wrapped when the trainer is built, so ``trainer.model`` is the ``ParoShardedModule`` (as the Trainer
@@ -21,6 +23,10 @@ autocast), ``optim``, ``learning_rate``, ``weight_decay`` (on the parameters ``g
   parameters now live in the engine's flat buffers: call it through ``trainer.model`` only.
 - accelerate must not wrap it again (``prepare`` would add DDP under torchrun, and autocast for bf16): the wrapper is
   marked ``_is_accelerate_prepared``, accelerate's own guard against double wrapping.
+- Activation checkpointing: the Trainer calls ``self.model.activation_checkpointing_enable(...)`` (or the deprecated
+  ``gradient_checkpointing_enable``), so the wrapper carries those methods of the Hugging Face model, bound to it. The
+  model checkpoints its layers' ``forward`` inside their ``__call__``: the engine's unit hooks stay outside the
+  recomputation, which runs after the unit's pre-backward gather.
 - The optimizer is built over ``trainer.model.parameters()``, this rank's shards of the float32 masters. A shard can
   mix parameters with and without weight decay, so the decay is applied per element before each step (decoupled, as
   AdamW does), and weight decay needs an AdamW-family optimizer.
@@ -51,6 +57,14 @@ from paro_torch.sharded_module import ParoShardedModule, WrapPolicy
 
 PARO_CHECKPOINT_DIR = "paro"
 """The subdirectory of a Trainer checkpoint (``checkpoint-N/``) with the sharded model and optimizer states."""
+
+_FORWARDED_METHODS = (
+    "activation_checkpointing_enable",
+    "activation_checkpointing_disable",
+    "gradient_checkpointing_enable",  # the deprecated names, which the Trainer falls back to
+    "gradient_checkpointing_disable",
+)
+"""Methods of the Hugging Face model that the wrapper exposes as its own (bound to the model inside)."""
 
 
 class ParoTrainer(Trainer):
@@ -126,6 +140,11 @@ class ParoTrainer(Trainer):
             model, opts.pop("strategy"), mixed_precision=mp, grad_accum=self.args.gradient_accumulation_steps, **opts
         )
         paro._is_accelerate_prepared = True  # accelerate's guard: no DDP, no autocast around it
+        # the Trainer turns activation checkpointing on through self.model: the calls go to the model inside
+        for name in _FORWARDED_METHODS:
+            method = getattr(model, name, None)
+            if callable(method):
+                setattr(paro, name, method)
         self.model = self.model_wrapped = self.callback_handler.model = paro
         return paro
 

@@ -131,9 +131,10 @@ def check_variant(variant: str, strategies: list[str], groups: ParoGroups) -> No
             opt.zero_grad()
         if model.strategy.p != "N":  # the second block's parameters were gathered while the first computed
             assert model.prefetches >= STEPS * ACCUM - 1, model.prefetches
-        else:  # after each optimizer step, every unit's t_syncp was queued ahead of its forward
-            trained = sum(any(b.trainable for b in u.buffers) for u in model._units)
-            assert model.prefetches == (STEPS - 1) * trained, (code, variant, model.prefetches, trained)
+        else:  # after each optimizer step, every block's t_syncp was queued ahead of its forward (root: at once)
+            trained = sum(any(b.trainable for b in u.buffers) for u in model._units[:-1])
+            boundaries = STEPS * (ACCUM if variant == "syncall" else 1)  # each is followed by a t_syncp
+            assert model.prefetches == (boundaries - 1) * trained, (code, variant, model.prefetches, trained)
         # every trainable buffer's boundary sync was queued during backward, not after it
         syncs = STEPS * (ACCUM if variant == "syncall" else 1) * sum(b.trainable for b in model._flat_buffers)
         assert model.overlapped_syncs == syncs, (code, variant, model.overlapped_syncs, syncs)

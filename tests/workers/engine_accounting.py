@@ -59,8 +59,7 @@ def main() -> None:
     variants = sys.argv[1].split(",")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    groups = build_groups()  # paro sub-groups: their counters give bytes per level
-    levels = [pg for pg in (groups.intra, groups.inter) if pg is not None]
+    groups = build_groups(backend="paro")  # paro sub-groups: their counters measure bytes per level
     for variant in variants:
         dtype = torch.bfloat16 if variant == "bf16" else torch.float32
         for code in paro_torch.STRATEGIES:
@@ -69,11 +68,16 @@ def main() -> None:
                                       mixed_precision=paro_torch.MixedPrecision(param_dtype=dtype))  # fmt: skip
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             step(model, opt, rank)  # warm-up: creates optimizer states
+            # both sets of the engine's groups (gathers, reductions): the paro backend measures their bytes
+            levels = [pg for gs in (model.groups, model._rgroups) for pg in (gs.intra, gs.inter) if pg is not None]
             for pg in levels:
                 paro_torch.reset_comm_stats(pg)
+            model.reset_comm_bytes()
             step(model, opt, rank)  # a steady-state step: its first forward syncs the previous update
-            intra = paro_torch.comm_stats(groups.intra).intra_bytes if groups.intra is not None else 0
-            inter = paro_torch.comm_stats(groups.inter).inter_bytes if groups.inter is not None else 0
+            stats = [paro_torch.comm_stats(pg) for pg in levels]
+            intra, inter = sum(s.intra_bytes for s in stats), sum(s.inter_bytes for s in stats)
+            nominal = model.comm_bytes()
+            assert (nominal["intra"], nominal["inter"]) == (intra, inter), (code, variant, nominal, intra, inter)
             want = estimate(model, world, groups.group_size, dtype.itemsize)
             mem = model.memory_stats(opt)
             got = (mem["params"], mem["grads"], mem["optimizer_states"], intra, inter)
