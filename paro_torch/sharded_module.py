@@ -218,7 +218,7 @@ class ParoShardedModule(nn.Module):
         #   the reverse, over the units some rank needs in backward, agreed by a small all-reduce when forward
         #   ends). A unit needed out of order, or skipped on this rank, is gathered anyway at its place (and
         #   freed when the pass ends), so every rank gathers the same units in the same order, one ahead of
-        #   the computation (prefetch);
+        #   the computation (prefetch); the root unit comes first in both, since it wraps the whole forward;
         # - reductions follow one fixed order too (see [Note: reduction order]).
         self._gathers = ThreadPoolExecutor(1, thread_name_prefix="paro-gather")
         self._reducer = ThreadPoolExecutor(1, thread_name_prefix="paro-reduce")
@@ -233,6 +233,8 @@ class ParoShardedModule(nn.Module):
         """Parameter gathers started ahead of their unit's forward or backward (for tests and profiling)."""
         self.overlapped_syncs = 0
         """Boundary gradient syncs queued during backward, as each buffer's gradient completed (ditto)."""
+        self.peak_unsharded = {"forward": 0, "backward": 0}
+        """Most units holding gathered parameters at once (p = I, G), seen when a unit's parameters are acquired."""
         # [Note: reduction order] Reductions go out in one fixed order on every rank (units in reverse definition
         # order, which is backward order for a stack of blocks, root last), whatever order autograd completes
         # them in: a gradient that completes early waits for those before it. A buffer whose gradient never
@@ -341,6 +343,11 @@ class ParoShardedModule(nn.Module):
             self.prefetches += len(self._gathered) - before
         if pending is not None:
             pending.result()
+        if self.strategy.p != N:
+            phase = "backward" if self._in_backward else "forward"
+            held = sum(any(b.full is not None and b.full.untyped_storage().size() > 0 for b in u.buffers)
+                       for u in self._units)  # fmt: skip
+            self.peak_unsharded[phase] = max(self.peak_unsharded[phase], held)
 
     def _end_pass(self) -> None:
         """Gathers what the pass has not (units skipped on this rank), waits for every gather, reshards the rest."""
@@ -418,7 +425,9 @@ class ParoShardedModule(nn.Module):
             fut.result()
             needs |= flags
         self._bwd_flags.clear()
-        self._begin_pass([u for u in self._units if needs[self._units.index(u)]])  # backward order
+        # backward order: the root first (its output's hook fires first), then the blocks in reverse
+        order = [self._units[-1], *self._units[:-1]]
+        self._begin_pass([u for u in order if needs[self._units.index(u)]])
 
     def _grad_ready(self, buffer: FlatBuffer, grad: torch.Tensor) -> None:
         """A buffer's gradient is complete: queue the reductions now due in the fixed order (Note: reduction order).

@@ -60,3 +60,9 @@ def test_groups_must_match_the_torchrun_layout() -> None:
 
 def test_auto_measures_chooses_and_agrees() -> None:
     assert_ok(launch("engine_auto.py", 4, env={"PARO_GROUP_SIZE": "2"}))
+
+
+def test_activation_checkpointing_keeps_units_sharded_in_backward() -> None:
+    """GGG: the peak of unsharded units in backward with checkpointing (reentrant or not, early stop on or off) is
+    at most that without it (root + computing + prefetched = 3 of 7 units)."""
+    assert_ok(launch("engine_unsharded.py", 4, env={"PARO_GROUP_SIZE": "2"}, timeout=180))
