@@ -16,7 +16,7 @@ pytest.importorskip("peft")
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
 
-CHECKS = ("full", "resume", "lora", "auto")
+CHECKS = ("full", "resume", "lora", "auto", "defaults")
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +62,13 @@ def test_lora_trains_only_the_adapters_like_one_process(torchrun_output: str) ->
 
 def test_auto_strategy_with_bf16_and_tied_embeddings(torchrun_output: str) -> None:
     _check(torchrun_output, "auto")
+
+
+def test_trainer_defaults_fused_adamw_and_activation_checkpointing(torchrun_output: str) -> None:
+    """The Trainer's default optimizer (fused AdamW), weight decay 0 and max_grad_norm 1.0, in "auto" and IIG with
+    activation checkpointing (recomputing) and in NNG without: losses, grad norms, learning rates and parameters equal
+    one process (1e-5), where one stale parameter sync would leave them off by more than 1e-3."""
+    _check(torchrun_output, "defaults")
 
 
 def test_every_rank_exits_cleanly(torchrun_output: str) -> None:

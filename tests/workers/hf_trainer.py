@@ -9,6 +9,9 @@ CHECK in
   lora    a PEFT LoRA model (adapters trainable only) equals its reference; the saved adapter loads with peft
   auto    strategy="auto" with bf16 on tied embeddings: a strategy is chosen, training stays near the fp32 reference,
           the saved model loads tied
+  defaults  the Trainer's defaults for optim (fused AdamW), weight_decay (0) and max_grad_norm (1.0), in "auto" and
+          IIG with activation checkpointing on and NNG with it off: losses, grad norms, learning rates and parameters
+          equal the single-process reference (1e-5); checkpointing is on in the model and recomputes
 Rank 0 prints "CHECK <name> ok ..." after each check passes.
 """
 
@@ -16,6 +19,7 @@ import os
 import sys
 import time
 from functools import partial
+from itertools import pairwise
 
 import torch
 import torch.distributed as dist
@@ -71,6 +75,10 @@ def make_lora() -> torch.nn.Module:
     return lora
 
 
+HF_DEFAULT = object()
+"""``arguments(..., name=HF_DEFAULT)``: leave ``name`` at the ``TrainingArguments`` default instead of this file's."""
+
+
 def arguments(out: str, steps: int, **kw) -> TrainingArguments:
     defaults = dict(
         output_dir=out,
@@ -92,17 +100,20 @@ def arguments(out: str, steps: int, **kw) -> TrainingArguments:
         seed=0,
     )
     defaults.update(kw)
-    return TrainingArguments(**defaults)
+    return TrainingArguments(**{k: v for k, v in defaults.items() if v is not HF_DEFAULT})
 
 
 def logged(trainer: Trainer, key: str) -> dict[int, float]:
     return {h["step"]: h[key] for h in trainer.state.log_history if key in h}
 
 
-def reference(make, args: TrainingArguments, data: Tokens) -> tuple[torch.nn.Module, list[float], ...]:
+def reference(
+    make, args: TrainingArguments, data: Tokens, states: list[dict[str, torch.Tensor]] | None = None
+) -> tuple[torch.nn.Module, list[float], ...]:
     """The same training in one process: each step one global batch (PER_DEVICE x world x ACCUM sequences).
 
-    Returns the model and, per step, the loss, the gradient norm before clipping and the learning rate.
+    Returns the model and, per step, the loss, the gradient norm before clipping and the learning rate; appends the
+    parameters before the first step and after each step to ``states`` if given.
     """
     model = make()
     decay = set(Trainer.get_decay_parameter_names(None, model))
@@ -119,6 +130,8 @@ def reference(make, args: TrainingArguments, data: Tokens) -> tuple[torch.nn.Mod
     sched = get_scheduler(args.lr_scheduler_type, opt, num_warmup_steps=warmup, num_training_steps=args.max_steps)
     batch = PER_DEVICE * WORLD * ACCUM
     losses, norms, lrs = [], [], []
+    if states is not None:
+        states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
     for s in range(args.max_steps):
         ids = data.ids[s * batch : (s + 1) * batch]
         loss = model(input_ids=ids, labels=ids).loss
@@ -129,6 +142,8 @@ def reference(make, args: TrainingArguments, data: Tokens) -> tuple[torch.nn.Mod
         sched.step()
         opt.zero_grad()
         losses.append(loss.item())
+        if states is not None:
+            states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
     return model, losses, norms, lrs
 
 
@@ -299,12 +314,78 @@ def check_auto(out: str) -> None:
     report("auto", f"chose {code}; bf16 losses {[round(v, 4) for v in losses.values()]}, update error {error:.3f}")
 
 
+class Calls:
+    """A forward pre-hook that counts the module's calls."""
+
+    n = 0
+
+    def __call__(self, *_: object) -> None:
+        self.n += 1
+
+
+def check_defaults(out: str) -> None:
+    """The Trainer's own defaults for the optimizer (fused AdamW), weight decay (0) and clipping (1.0), in "auto",
+    IIG and NNG, with activation checkpointing on in the first two: each run equals the single-process reference."""
+    from transformers.training_args import OptimizerNames
+
+    steps, tol = 3, 1e-5
+    data = Tokens(steps * PER_DEVICE * WORLD * ACCUM)
+    hf = dict(weight_decay=HF_DEFAULT, max_grad_norm=HF_DEFAULT)  # optim: never set by arguments()
+    states: list[dict[str, torch.Tensor]] = []
+    ref, ref_losses, ref_norms, ref_lrs = reference(make_model, arguments(f"{out}/defaults", steps, **hf), data, states)
+    want = ref.state_dict()
+    # the check can fail: a parameter sync skipped after any one step leaves parameters off by far more than tol
+    step_moves = [max((b[k] - a[k]).abs().max().item() for k in want) for a, b in pairwise(states)]
+    assert min(step_moves) > 100 * tol, f"a step barely moves the parameters: {step_moves}"
+    done = []
+    for strategy, checkpointing in (("auto", True), ("IIG", True), ("NNG", False)):
+        args = arguments(f"{out}/defaults", steps, **hf, activation_checkpointing=checkpointing)
+        assert args.optim == OptimizerNames.ADAMW_TORCH_FUSED and args.weight_decay == 0.0, (args.optim, args)
+        assert args.max_grad_norm == 1.0 and args.activation_checkpointing_kwargs is None, args
+        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)  # what reference() built too
+        assert cls is torch.optim.AdamW and kwargs.get("fused") is True, (cls, kwargs)
+        trainer = ParoTrainer(model=make_model(), args=args, train_dataset=data, strategy=strategy)
+        code = trainer.model.strategy.code
+        assert strategy == "auto" or code == strategy, (strategy, code)
+        inner = trainer.model.module
+        # calls of a projection in the first decoder layer: once per micro-step, twice with the recomputation
+        calls = Calls()
+        inner.model.layers[0].self_attn.q_proj.register_forward_pre_hook(calls)
+        trainer.train()
+        optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # inside accelerate's wrapper
+        assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["fused"] is True, optimizer.defaults
+        assert inner.is_activation_checkpointing == checkpointing, (strategy, inner.is_activation_checkpointing)
+        assert calls.n == steps * ACCUM * (2 if checkpointing else 1), (strategy, calls.n)
+        losses, norms, lrs = logged(trainer, "loss"), logged(trainer, "grad_norm"), logged(trainer, "learning_rate")
+        assert sorted(losses) == sorted(norms) == sorted(lrs) == list(range(1, steps + 1)), trainer.state.log_history
+        for s in range(steps):
+            assert abs(losses[s + 1] - ref_losses[s]) < tol, (strategy, "loss", s, losses, ref_losses)
+            assert abs(norms[s + 1] - ref_norms[s]) < tol * ref_norms[s], (strategy, "grad norm", s, norms, ref_norms)
+            assert abs(lrs[s + 1] - ref_lrs[s]) < 1e-12, (strategy, "learning rate", s, lrs, ref_lrs)
+        worst = close(trainer.model.full_state_dict(), want, tol, f"{strategy} ({code}) defaults vs one process")
+        done.append(f"{strategy}->{code}{' +ckpt' if checkpointing else ''} {worst:.2e}")
+    report(
+        "defaults",
+        f"fused AdamW, wd 0, clip 1.0 (norms {[round(v, 2) for v in ref_norms]}), min step move "
+        f"{min(step_moves):.2e}; losses {[round(v, 4) for v in ref_losses]}; max |param diff| {', '.join(done)}",
+    )
+
+
+CHECKS = {
+    "full": check_full,
+    "resume": check_resume,
+    "lora": check_lora,
+    "auto": check_auto,
+    "defaults": check_defaults,
+}
+
+
 def main() -> None:
     out, checks = sys.argv[1], sys.argv[2].split(",")
     hf_logging.set_verbosity_error()
     for name in checks:
         start = time.perf_counter()
-        {"full": check_full, "resume": check_resume, "lora": check_lora, "auto": check_auto}[name](out)
+        CHECKS[name](out)
         if RANK == 0:
             print(f"CHECK {name} took {time.perf_counter() - start:.1f}s", flush=True)
     dist.destroy_process_group()
