@@ -149,6 +149,8 @@ class ParoShardedModule(nn.Module):
         calibration: Link figures for auto (a LinkCalibration or a JSON path; also PARO_CALIBRATION).
         sync_module_states: Broadcast rank 0's parameters and buffers first (as DDP does), so that ranks that
             built the model with different seeds train one model.
+        broadcast_buffers: Before each training forward, make the buffers (e.g. BatchNorm statistics) rank 0's,
+            as DDP's ``broadcast_buffers`` does.
 
     Raises:
         InvalidStrategyError: unknown or eliminated strategy. TopologyError: sizes that do not fit.
@@ -169,6 +171,7 @@ class ParoShardedModule(nn.Module):
         grad_accum: int = 1,
         calibration: LinkCalibration | str | None = None,
         sync_module_states: bool = True,
+        broadcast_buffers: bool = True,
     ) -> None:
         super().__init__()
         param_dtype = mixed_precision.param_dtype if mixed_precision is not None else torch.float32
@@ -204,7 +207,8 @@ class ParoShardedModule(nn.Module):
         assert parsed is not None
         self.strategy = parsed
         if sync_module_states:
-            _broadcast_from_rank0(module, self.groups.whole)
+            _broadcast_from_rank0(list(module.parameters()) + list(module.buffers()), self.groups.whole)
+        self._buffers_to_sync = [b for b in module.buffers() if b.numel() > 0] if broadcast_buffers else []
         self._rgroups = twin_groups(self.groups)
         self._gather_world = dist.new_group(list(range(self.groups.world)), backend=dist.get_backend(self.groups.whole))
         self._units = self._build_units(assignments)
@@ -514,6 +518,8 @@ class ParoShardedModule(nn.Module):
             for u in self._units:
                 u.needs_sync = any(b.master is not None for b in u.buffers)
         root = self._units[-1]
+        if self._buffers_to_sync and self.training and torch.is_grad_enabled():
+            self._gathers.submit(_broadcast_from_rank0, self._buffers_to_sync, self._gather_world).result()
         self._begin_pass(self._fwd_order)
         self._root_grad = torch.is_grad_enabled()
         self._needs_bwd.zero_()
@@ -716,9 +722,9 @@ class ParoShardedModule(nn.Module):
         return {"params": params, "grads": grads, "optimizer_states": optim}
 
 
-def _broadcast_from_rank0(module: nn.Module, group: dist.ProcessGroup) -> None:
-    """Makes every parameter and buffer equal to rank 0's (one broadcast per dtype)."""
-    tensors = list({id(t): t for t in [*module.parameters(), *module.buffers()]}.values())
+def _broadcast_from_rank0(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Makes the tensors equal to rank 0's (one broadcast per dtype)."""
+    tensors = list({id(t): t for t in tensors}.values())
     for dtype in sorted({t.dtype for t in tensors}, key=str):
         same = [t for t in tensors if t.dtype == dtype]
         flat = torch.cat([t.detach().reshape(-1) for t in same])
