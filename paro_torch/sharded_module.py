@@ -585,10 +585,12 @@ class ParoShardedModule(nn.Module):
         """
         out: dict[str, torch.Tensor] = {}
         keep = not rank0_only or self.groups.rank == 0
-        if keep:  # buffers (e.g. BatchNorm statistics) and extra state: the module's own, since parameters are ours
-            out.update(
-                {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in self.module.state_dict().items()}
-            )
+        # buffers (e.g. BatchNorm statistics) and extra state: the module's own, since parameters are ours; rank 0's
+        # (each rank's statistics saw its own batch in the last forward), as DDP's broadcast_buffers
+        own = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in self.module.state_dict().items()}
+        _broadcast_from_rank0([v for v in own.values() if torch.is_tensor(v) and v.numel() > 0], self.groups.whole)
+        if keep:
+            out.update(own)
         for b in self._flat_buffers:
             values = b.full_values()
             if not keep:

@@ -1,0 +1,37 @@
+"""ParoShardedModule (PaRO-DP) on the paths real training takes, multi-process on CPU: 4 ranks as 2 groups of 2.
+
+Each case trains NNN, NNG, NGG, IIG and GGG and compares every parameter (and buffer) with one process within 1e-5.
+"""
+
+import pytest
+from launch import assert_ok, launch
+
+pytestmark = pytest.mark.multiproc
+
+CASES = [
+    "fused",  # AdamW(fused=True)
+    "foreach",  # AdamW(foreach=True)
+    "sgd",  # SGD with momentum
+    "adam_l2",  # Adam with (L2) weight_decay
+    "skipped_step",  # every rank skips optimizer.step() once, as a GradScaler that found inf
+    "dropped_equal",  # a block unused on one rank for one step; blocks of equal size
+    "dropped_unequal",  # ditto, the unused block larger than the other
+    "ckpt_nonreentrant_early",  # torch.utils.checkpoint(use_reentrant=False) around each block
+    "ckpt_nonreentrant_late",  # ditto under set_checkpoint_early_stop(False)
+    "ckpt_reentrant",  # torch.utils.checkpoint(use_reentrant=True) around each block
+    "retain_graph",  # the first micro-step's backward with retain_graph=True
+    "batchnorm",  # BatchNorm1d in a block and at the root: parameters and running stats (rank 0's)
+    "seeds",  # each rank builds the model with its own seed: rank 0's parameters and buffers win
+    "param_groups",  # optimizer groups by ParoShardedModule.named_parameters() names
+]
+
+
+NOT_YET = pytest.mark.xfail(
+    strict=True, reason="per-parameter shards under the original names: the next step of the engine redesign (#12)"
+)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=NOT_YET) if c == "param_groups" else c for c in CASES])
+def test_training_path_matches_one_process(case: str) -> None:
+    # bounded: an engine whose ranks disagree on collectives hangs (the worker dumps its stacks at 150 s)
+    assert_ok(launch("engine_paths.py", 4, env={"PARO_GROUP_SIZE": "2"}, args=(case,), timeout=180))

@@ -1,0 +1,277 @@
+"""ParoShardedModule on the paths real training takes trains to the parameters (and buffers) of one process.
+
+Usage: engine_paths.py CASE [STRATEGY ...]; world 4 as 2 groups of 2 (PARO_GROUP_SIZE=2). CASE in: fused, foreach,
+sgd, adam_l2 (optimizers); skipped_step (a GradScaler-style skipped optimizer step); dropped_equal, dropped_unequal
+(a block unused on one rank for one step); ckpt_nonreentrant_early, ckpt_nonreentrant_late, ckpt_reentrant
+(activation checkpointing); retain_graph; batchnorm (buffers); seeds (ranks built with different seeds);
+param_groups (optimizer groups by the original parameter names).
+"""
+
+import contextlib
+import faulthandler
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+from paro_torch import ParoShardedModule
+from paro_torch._groups import ParoGroups, build_groups
+
+STEPS, ACCUM, BATCH, DIM, CLASSES = 4, 2, 4, 8, 5
+TOL = 1e-5
+STRATEGIES = ["NNN", "NNG", "NGG", "IIG", "GGG"]
+SKIP_STEP = 1  # skipped_step: no optimizer step here; dropped_*: SKIP_RANK leaves out block SKIP_BLOCK here
+SKIP_RANK, SKIP_BLOCK = 1, 1
+PER_RANK = ("dropped_equal", "dropped_unequal", "batchnorm")  # the reference runs each rank's share on its own
+CHECKPOINT = {"ckpt_nonreentrant_early": False, "ckpt_nonreentrant_late": False, "ckpt_reentrant": True}
+WATCHDOG_S = 150  # a hung collective: dump every thread's stack and exit, before the test's 180 s kill
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int, bn: bool) -> None:
+        super().__init__()
+        # no bias ahead of a BatchNorm (here or via fc1): its gradient is exactly zero, and Adam turns the rounding
+        # noise of that zero into full-size steps
+        self.norm = nn.LayerNorm(DIM, bias=not bn)
+        self.fc1 = nn.Linear(DIM, hidden, bias=not bn)
+        self.bn = nn.BatchNorm1d(hidden) if bn else None
+        self.fc2 = nn.Linear(hidden, DIM)
+        self.calls = 0  # forward runs, recomputations included
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.fc1(self.norm(x))
+        if self.bn is not None:
+            h = self.bn(h)
+        return x + self.fc2(F.gelu(h))
+
+
+class Tiny(nn.Module):
+    def __init__(self, hidden: tuple[int, ...], bn: bool, shift: bool) -> None:
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM, bias=not bn)  # the blocks' input requires grad (reentrant checkpointing)
+        self.bn = nn.BatchNorm1d(DIM) if bn else None  # a BatchNorm in the root unit too
+        self.blocks = nn.ModuleList([Block(h, bn) for h in hidden])
+        self.head = nn.Linear(DIM, CLASSES)
+        # seeds: a random buffer the forward uses, so a rank that keeps its own buffers computes other gradients
+        self.register_buffer("shift", torch.randn(DIM) if shift else None)
+        self.use_reentrant: bool | None = None  # None: no activation checkpointing
+
+    def forward(self, x: torch.Tensor, skip: int | None = None) -> torch.Tensor:
+        if self.shift is not None:
+            x = x + self.shift
+        x = self.inp(x)
+        if self.bn is not None:
+            x = self.bn(x)
+        for i, b in enumerate(self.blocks):
+            if i == skip:
+                continue
+            # as HF's gradient checkpointing: the whole block call (its hooks included) is checkpointed
+            x = b(x) if self.use_reentrant is None else checkpoint(b, x, use_reentrant=self.use_reentrant)
+        return self.head(x)
+
+
+def make(case: str, seed: int = 0) -> Tiny:
+    torch.manual_seed(seed)
+    # dropped_unequal: the skipped block (1) has more parameters than block 0
+    hidden = (2 * DIM, 3 * DIM) if case == "dropped_unequal" else (2 * DIM, 2 * DIM)
+    return Tiny(hidden, bn=case == "batchnorm", shift=case == "seeds")
+
+
+def make_optimizer(case: str, model: nn.Module) -> torch.optim.Optimizer:
+    if case == "fused":
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0, fused=True)
+    if case == "foreach":
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0, foreach=True)
+    if case == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if case == "adam_l2":
+        return torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.01)
+    if case == "param_groups":  # as HF: biases and norms slower and without weight decay
+        named = list(model.named_parameters())
+        slow = [p for n, p in named if n.endswith("bias") or "norm" in n]
+        fast = [p for n, p in named if not (n.endswith("bias") or "norm" in n)]
+        return torch.optim.AdamW(
+            [{"params": fast, "lr": 1e-2, "weight_decay": 0.1}, {"params": slow, "lr": 1e-3, "weight_decay": 0.0}]
+        )
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def skip_of(case: str, step: int, rank: int) -> int | None:
+    """The block this rank's forward leaves out (both micro-steps of SKIP_STEP, on SKIP_RANK only)."""
+    dropped = case.startswith("dropped") and step == SKIP_STEP and rank == SKIP_RANK
+    return SKIP_BLOCK if dropped else None
+
+
+def steps_optimizer(case: str, step: int) -> bool:
+    """False where a GradScaler would have found inf: every rank skips optimizer.step() (zero_grad still runs)."""
+    return not (case == "skipped_step" and step == SKIP_STEP)
+
+
+def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, y)
+
+
+def train_reference(case: str, data: list, world: int, steps: int = STEPS, plain: bool = False) -> Tiny:
+    """One process, no checkpointing. ``plain``: without the case's twist (to show the twist changes the result).
+
+    Whole-batch cases: the loss on the concatenation of all ranks' batches. PER_RANK cases: each rank's share
+    through the model on its own (its own skip decision; its own BatchNorm batch statistics), losses averaged
+    over ranks, which is what data parallelism computes. BatchNorm running stats: rank 0's are authoritative
+    (as DDP's broadcast_buffers, and FSDP's state dict from rank 0), so the reference keeps only the update of
+    rank 0's share; ``plain`` keeps every rank's update instead.
+    """
+    ref = make(case)
+    opt = make_optimizer("adamw" if plain and case == "param_groups" else case, ref)
+    for step, micro in enumerate(data[:steps]):
+        for x, y in micro:
+            if case not in PER_RANK:
+                (loss_fn(ref(x), y) / ACCUM).backward()
+                continue
+            rank0_buffers = None
+            for r in range(world):
+                local = slice(r * BATCH, (r + 1) * BATCH)
+                skip = None if plain else skip_of(case, step, r)
+                (loss_fn(ref(x[local], skip=skip), y[local]) / (world * ACCUM)).backward()
+                if r == 0:
+                    rank0_buffers = {k: v.clone() for k, v in ref.named_buffers()}
+            if not plain and rank0_buffers is not None:
+                with torch.no_grad():
+                    for k, v in ref.named_buffers():
+                        v.copy_(rank0_buffers[k])
+        if plain or steps_optimizer(case, step):
+            opt.step()
+        opt.zero_grad()
+    return ref
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in b)
+
+
+def check_sensitive(case: str, data: list, world: int, ref: Tiny) -> None:
+    """The comparison can fail: one optimizer step more or less, or the case's twist, moves far more than TOL."""
+    want = ref.state_dict()
+    moved = max_diff(train_reference(case, data, world, steps=STEPS - 1).state_dict(), want)
+    assert moved > 100 * TOL, f"{case}: the last step moves the parameters by only {moved:.3g}"
+    if case in ("skipped_step", "dropped_equal", "dropped_unequal", "param_groups", "batchnorm"):
+        params = dict(ref.named_parameters())
+        other = train_reference(case, data, world, plain=True)
+        twist = max_diff(dict(other.named_parameters()), params)
+        if case == "batchnorm":  # rank 0's running stats against every rank's
+            twist = max_diff(dict(other.named_buffers()), dict(ref.named_buffers()))
+        assert twist > 100 * TOL, f"{case}: the case's twist changes the result by only {twist:.3g}"
+    if case == "seeds":
+        other = make(case, seed=1).state_dict()
+        assert max_diff(other, make(case).state_dict()) > 100 * TOL
+
+
+def train_paro(case: str, code: str, data: list, groups: ParoGroups) -> ParoShardedModule:
+    rank = dist.get_rank()
+    inner = make(case, seed=rank if case == "seeds" else 0)  # seeds: the engine must take rank 0's values
+    inner.use_reentrant = CHECKPOINT.get(case)
+    model = ParoShardedModule(inner, code, process_groups=(groups.intra, groups.inter), wrap_policy={Block})
+    if case == "param_groups":  # the final API: per-parameter shards under the inner module's names
+        names = [n for n, _ in model.named_parameters()]
+        want = [n for n, _ in make(case).named_parameters()]
+        assert sorted(names) == sorted(want), (
+            f"{code} (param_groups): ParoShardedModule.named_parameters() gives {names[:4]}..., "
+            f"not the inner module's names {want[:4]}...: optimizer groups by name cannot be built"
+        )
+    opt = make_optimizer(case, model)
+    late = set_checkpoint_early_stop(False) if case == "ckpt_nonreentrant_late" else contextlib.nullcontext()
+    local = slice(rank * BATCH, (rank + 1) * BATCH)
+    with late:
+        for step, micro in enumerate(data):
+            for j, (x, y) in enumerate(micro):
+                with model.no_sync() if j < ACCUM - 1 else contextlib.nullcontext():
+                    loss = loss_fn(model(x[local], skip=skip_of(case, step, rank)), y[local]) / ACCUM
+                    loss.backward(retain_graph=case == "retain_graph" and j == 0)
+            if steps_optimizer(case, step):
+                opt.step()
+            opt.zero_grad()
+    if case in CHECKPOINT:  # the test checkpoints for real: every block's forward ran again in backward
+        calls = [b.calls for b in inner.blocks]
+        assert calls == [2 * STEPS * ACCUM] * len(calls), f"{code} ({case}): blocks ran {calls} times"
+    return model
+
+
+def compare(case: str, code: str, model: ParoShardedModule, ref: Tiny) -> list[str]:
+    """What differs between the engine's full state dict and the reference's: names, parameters, buffers."""
+    got = model.full_state_dict()
+    want = ref.state_dict()  # parameters and (persistent) buffers: BatchNorm running stats, seeds' shift
+    params = dict(ref.named_parameters())
+    buffers = {k: v for k, v in want.items() if k not in params}
+    problems = []
+    if got.keys() - want.keys():
+        problems.append(f"unexpected names in full_state_dict(): {sorted(got.keys() - want.keys())[:6]}")
+    missing = sorted(params.keys() - got.keys())
+    if missing:
+        problems.append(f"parameters missing from full_state_dict(): {missing[:6]}")
+    present = {k: v for k, v in params.items() if k in got}
+    worst = max_diff(got, present) if present else 0.0
+    if worst >= TOL:
+        bad = [k for k in present if max_diff(got, {k: present[k]}) >= TOL]
+        problems.append(
+            f"parameters differ from single-process training by {worst:.3g} ({len(bad)} of them: {bad[:4]})"
+        )
+    summary = f"params {worst:.2e}"
+    if buffers:
+        absent = sorted(buffers.keys() - got.keys())
+        if absent:
+            problems.append(f"{len(absent)} of {len(buffers)} buffers missing from full_state_dict(): {absent[:4]}")
+        else:
+            worst_buffer = max_diff(got, buffers)
+            summary += f", buffers {worst_buffer:.2e}"
+            if worst_buffer >= TOL:
+                bad = [k for k in buffers if max_diff(got, {k: buffers[k]}) >= TOL]
+                problems.append(f"buffers differ from the reference (rank 0's) by {worst_buffer:.3g}: {bad[:4]}")
+    rank = dist.get_rank()
+    return [f"{code} ({case}) on rank {rank}: {p}" for p in problems] or [f"ok {summary}"]
+
+
+def main() -> None:
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
+    case, strategies = sys.argv[1], sys.argv[2:] or STRATEGIES
+    dist.init_process_group("gloo")
+    groups = build_groups()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert world == 4 and groups.group_size == 2, "run on 4 ranks with PARO_GROUP_SIZE=2"
+    g = torch.Generator().manual_seed(1)
+    data = [
+        [
+            (torch.randn(world * BATCH, DIM, generator=g), torch.randint(0, CLASSES, (world * BATCH,), generator=g))
+            for _ in range(ACCUM)
+        ]
+        for _ in range(STEPS)
+    ]
+    ref = train_reference(case, data, world)
+    check_sensitive(case, data, world, ref)
+    failures = []
+    for code in strategies:
+        model = train_paro(case, code, data, groups)
+        result = compare(case, code, model, ref)
+        ok = result[0].startswith("ok ")
+        failures += [] if ok else result
+        if rank == 0:  # every rank checks the same full state dict, and fails with its own message
+            print(f"{code} {case}: max |diff| {result[0][3:]}" if ok else "\n".join(result), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    assert not failures, "\n".join(failures)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException:
+        # exit now: a collective stuck on the engine's communication thread would keep the process alive (and
+        # its peers waiting on its sockets) until the watchdog
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
