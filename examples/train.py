@@ -20,7 +20,6 @@ from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-import paro_torch
 from paro_torch import ParoShardedModule
 from paro_torch.checkpoint import load_checkpoint, save_checkpoint
 
@@ -67,7 +66,6 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     if args.checkpoint is not None and args.checkpoint.exists():
         load_checkpoint(args.checkpoint, model, opt)
-    levels = [pg for pg in (model.groups.intra, model.groups.inter) if pg is not None]
     data = corpus()
     gen = torch.Generator().manual_seed(rank)
     if rank == 0:
@@ -76,8 +74,7 @@ def main() -> None:
               f"{sum(p.numel() for p in model.parameters())} parameters in this rank's optimizer shard")  # fmt: skip
     bar = tqdm(range(args.steps), desc="train", disable=rank != 0, dynamic_ncols=True)
     for step in bar:
-        for pg in levels:
-            paro_torch.reset_comm_stats(pg)
+        model.reset_comm_bytes()
         start = time.perf_counter()
         total = torch.zeros(())
         for micro in range(args.grad_accum):
@@ -92,8 +89,8 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
         elapsed = time.perf_counter() - start
-        intra = paro_torch.comm_stats(model.groups.intra).intra_bytes if model.groups.intra is not None else 0
-        inter = paro_torch.comm_stats(model.groups.inter).inter_bytes if model.groups.inter is not None else 0
+        sent = model.comm_bytes()  # nominal: each collective by the ring formula, as the cost model counts
+        intra, inter = sent["intra"], sent["inter"]
         dist.all_reduce(total)
         bar.set_postfix(loss=f"{total.item() / world:.3f}")
         if rank == 0:
