@@ -156,6 +156,10 @@ class FlatBuffer:
         """Whether the whole buffer was gathered before and is resharded now (p = I, G)."""
         return self.full is not None and self.strategy.p != N and self.full.untyped_storage().size() == 0
 
+    def unsharded(self) -> bool:
+        """Whether the gathered whole buffer is held now (p = I, G)."""
+        return self.full is not None and self.strategy.p != N and self.full.untyped_storage().size() > 0
+
     def _gather_to_full(self, shard: torch.Tensor, granularity: str, out: torch.Tensor) -> None:
         """Out (whole padded buffer) ← shard held at granularity: inter all-gather G→I, intra all-gather I→N."""
         g = self.groups

@@ -102,7 +102,9 @@ class TrainingState(enum.Enum):
 class _Unit:
     """The parameters of one wrapped block: a trainable and a frozen flat buffer."""
 
-    def __init__(self, module: nn.Module, buffers: list[FlatBuffer]) -> None:
+    def __init__(self, index: int, module: nn.Module, buffers: list[FlatBuffer]) -> None:
+        self.index = index
+        """Position in the engine's units (reverse definition order, root last): its bit in per-unit flags."""
         self.module = module
         self.buffers = buffers
         self.state = TrainingState.IDLE
@@ -128,6 +130,10 @@ class _Unit:
     def reshard(self) -> None:
         for b in self.buffers:
             b.reshard()
+
+    def unsharded(self) -> bool:
+        """Whether any of its buffers holds gathered parameters now."""
+        return any(b.unsharded() for b in self.buffers)
 
 
 class ParoShardedModule(nn.Module):
@@ -228,8 +234,9 @@ class ParoShardedModule(nn.Module):
         self._reducer = ThreadPoolExecutor(1, thread_name_prefix="paro-reduce")
         self._fwd_order = list(reversed(self._units))  # root first
         self._pass: list[_Unit] = []
+        self._pass_pos: dict[_Unit, int] = {}
         self._pass_next = 0
-        self._gathered: dict[int, Future[None]] = {}
+        self._gathered: dict[_Unit, Future[None]] = {}
         self._bwd_flags: list[tuple[torch.Tensor, Future[Any]]] = []
         self._needs_bwd = torch.zeros(len(self._units), dtype=torch.int64)
         self._root_grad = False
@@ -248,6 +255,8 @@ class ParoShardedModule(nn.Module):
         # its gradient None, as in single-process training.
         self._pending_reduce: list[Future[Any]] = []
         self._reduce_order = [b for b in self._flat_buffers if b.trainable]
+        self._reduce_index = {id(b): i for i, b in enumerate(self._reduce_order)}
+        self._unit_of = {id(b): u for u in self._units for b in u.buffers}
         self._ready: dict[int, torch.Tensor | None] = {}
         self._next_reduce = 0
         self._used = torch.zeros(len(self._reduce_order), dtype=torch.int64)
@@ -307,7 +316,7 @@ class ParoShardedModule(nn.Module):
                         reduce_groups=self._rgroups,
                     )
                 )
-            units.append(_Unit(block, buffers))
+            units.append(_Unit(len(units), block, buffers))
         return units
 
     # ------------------------------------------------------------------------------------------------- hooks
@@ -318,6 +327,7 @@ class ParoShardedModule(nn.Module):
 
     def _begin_pass(self, order: list[_Unit]) -> None:
         self._pass, self._pass_next = order, 0
+        self._pass_pos = {u: i for i, u in enumerate(order)}
 
     def _gather_due(self, unit: _Unit) -> bool:
         """Whether the unit has communication to run before it computes: a gather (p = I, G) or a t_syncp."""
@@ -328,19 +338,19 @@ class ParoShardedModule(nn.Module):
         while self._pass_next <= min(i, len(self._pass) - 1):
             u = self._pass[self._pass_next]
             self._pass_next += 1
-            if self._gather_due(u) and id(u) not in self._gathered:
-                self._gathered[id(u)] = self._gathers.submit(u.gather)
+            if self._gather_due(u) and u not in self._gathered:
+                self._gathered[u] = self._gathers.submit(u.gather)
 
     def _acquire(self, unit: _Unit, prefetch: bool = True) -> None:
         """Makes the unit's parameters available now, queuing the gathers due before it and the next one."""
-        i = next((j for j, u in enumerate(self._pass) if u is unit), None)
-        if i is None or i < self._pass_next and id(unit) not in self._gathered:
+        i = self._pass_pos.get(unit)
+        if i is None or i < self._pass_next and unit not in self._gathered:
             # outside the pass (e.g. a unit run twice in a forward): a gather of its own, as on every rank
             if self._gather_due(unit) or any(b.full_freed() for b in unit.buffers):
                 self._gathers.submit(unit.gather).result()
             return
         self._submit_through(i)
-        pending = self._gathered.pop(id(unit), None)
+        pending = self._gathered.pop(unit, None)
         if prefetch and self._pass_next < len(self._pass):
             before = len(self._gathered)
             self._submit_through(self._pass_next)
@@ -349,20 +359,18 @@ class ParoShardedModule(nn.Module):
             pending.result()
         if self.strategy.p != N:
             phase = "backward" if self._in_backward else "forward"
-            held = sum(any(b.full is not None and b.full.untyped_storage().size() > 0 for b in u.buffers)
-                       for u in self._units)  # fmt: skip
+            held = sum(u.unsharded() for u in self._units)
             self.peak_unsharded[phase] = max(self.peak_unsharded[phase], held)
 
     def _end_pass(self) -> None:
         """Gathers what the pass has not (units skipped on this rank), waits for every gather, reshards the rest."""
         self._submit_through(len(self._pass) - 1)
-        for key, fut in list(self._gathered.items()):
+        for unit, fut in self._gathered.items():
             fut.result()
-            unit = next(u for u in self._units if id(u) == key)
-            if self.strategy.p != N and unit is not self._units[-1]:
+            if self.strategy.p != N:
                 unit.reshard()
         self._gathered.clear()
-        self._pass = []
+        self._begin_pass([])
 
     def _make_pre_forward(self, unit: _Unit) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
@@ -386,7 +394,7 @@ class ParoShardedModule(nn.Module):
             unit.state = TrainingState.IDLE
             # reentrant checkpointing runs the unit without grad, and again in backward: it needs backward too
             if self._register_pre_backward(unit, output) or self._root_grad and not torch.is_grad_enabled():
-                self._needs_bwd[self._units.index(unit)] = 1
+                self._needs_bwd[unit.index] = 1
             return output
 
         return hook
@@ -431,14 +439,14 @@ class ParoShardedModule(nn.Module):
         self._bwd_flags.clear()
         # backward order: the root first (its output's hook fires first), then the blocks in reverse
         order = [self._units[-1], *self._units[:-1]]
-        self._begin_pass([u for u in order if needs[self._units.index(u)]])
+        self._begin_pass([u for u in order if needs[u.index]])
 
     def _grad_ready(self, buffer: FlatBuffer, grad: torch.Tensor) -> None:
         """A buffer's gradient is complete: queue the reductions now due in the fixed order (Note: reduction order).
 
         They run on the reduction thread while the units before this one compute their backward.
         """
-        i = self._reduce_order.index(buffer)
+        i = self._reduce_index[id(buffer)]
         if i in self._ready or i < self._next_reduce:
             raise RuntimeError(
                 f"paro_torch: the gradient of the unit holding {buffer.slots[0].fqn} completed twice in one "
@@ -446,9 +454,9 @@ class ParoShardedModule(nn.Module):
             )
         self._used[i] = 1
         self._ready[i] = grad
-        for u in self._units:
-            if buffer in u.buffers and all(b.grad_ready or not b.trainable for b in u.buffers):
-                u.state = TrainingState.POST_BACKWARD
+        unit = self._unit_of[id(buffer)]
+        if all(b.grad_ready or not b.trainable for b in unit.buffers):
+            unit.state = TrainingState.POST_BACKWARD
         self._flush_reductions()
 
     def _flush_reductions(self) -> None:
@@ -525,7 +533,7 @@ class ParoShardedModule(nn.Module):
         self._needs_bwd.zero_()
         if self.strategy.p == N:
             self._submit_through(len(self._fwd_order) - 1)
-            self.prefetches += len(self._gathered) - (id(root) in self._gathered)
+            self.prefetches += len(self._gathered) - (root in self._gathered)
         root.state = TrainingState.FORWARD
         self._acquire(root)
         root.set_views()
@@ -537,7 +545,7 @@ class ParoShardedModule(nn.Module):
             root.reshard()
         root.state = TrainingState.IDLE
         if self._register_pre_backward(root, out):
-            self._needs_bwd[len(self._units) - 1] = 1
+            self._needs_bwd[root.index] = 1
         if self._root_grad and self.strategy.p != N:  # agree on the units backward gathers
             flags = self._needs_bwd.clone()
             self._bwd_flags.append(
