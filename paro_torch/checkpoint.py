@@ -53,16 +53,16 @@ def _pieces(local: torch.Tensor, lo: int, b: FlatBuffer, prefix: str, suffix: st
     return out
 
 
-def _model_entries(model: ParoShardedModule) -> dict[str, Any]:
+def _model_entries(model: ParoShardedModule, buffers: dict[str, torch.Tensor]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for b in _buffers(model):
         out.update(_pieces(*b.held(), b, "model."))
-    out.update({f"model.{k}": v for k, v in _module_buffers(model).items()})
+    out.update({f"model.{k}": v for k, v in buffers.items()})
     return out
 
 
 def _module_buffers(model: ParoShardedModule) -> dict[str, torch.Tensor]:
-    """The wrapped module's persistent buffers (e.g. BatchNorm statistics), the same on every rank."""
+    """The wrapped module's persistent buffers (e.g. BatchNorm statistics): the tensors themselves, to load into."""
     return {k: v for k, v in model.module.state_dict(keep_vars=True).items() if torch.is_tensor(v)}
 
 
@@ -105,7 +105,8 @@ def save_checkpoint(
     rank = dist.get_rank()
     error = None
     try:
-        entries = _model_entries(model)
+        saved_buffers = {k: v for k, v in model.rank0_module_state().items() if torch.is_tensor(v)}
+        entries = _model_entries(model, saved_buffers)
         if optimizer is not None:
             entries.update(_optimizer_entries(model, optimizer))
         if rank == 0:
@@ -124,7 +125,7 @@ def save_checkpoint(
             "group_size": model.groups.group_size,
             "optimizer": optimizer is not None,
             "params": {s.fqn: list(s.shape) for b in _buffers(model) for s in b.slots},
-            "buffers": sorted(_module_buffers(model)),
+            "buffers": sorted(saved_buffers),
         }
         (partial / MARKER).write_text(json.dumps(marker, indent=1))
         old = path.with_name(path.name + ".old")
@@ -153,8 +154,9 @@ def load_checkpoint(
         marker = _read_marker(path)
         metadata = dcp.FileSystemReader(path).read_metadata()
         _check_compatible(model, marker, metadata, path)
-        entries = {k: v for k, v in _model_entries(model).items() if k in metadata.state_dict_metadata}
-        missing = sorted(k for k in _module_buffers(model) if f"model.{k}" not in metadata.state_dict_metadata)
+        live = _module_buffers(model)
+        entries = {k: v for k, v in _model_entries(model, live).items() if k in metadata.state_dict_metadata}
+        missing = sorted(k for k in live if f"model.{k}" not in metadata.state_dict_metadata)
         if missing and "buffers" in marker:  # checkpoints before buffers were saved have no such list
             raise ValueError(f"checkpoint {path} lacks the buffers {', '.join(missing[:5])}; load it into the "
                              "model it was saved from")  # fmt: skip

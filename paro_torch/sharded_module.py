@@ -593,10 +593,7 @@ class ParoShardedModule(nn.Module):
         """
         out: dict[str, torch.Tensor] = {}
         keep = not rank0_only or self.groups.rank == 0
-        # buffers (e.g. BatchNorm statistics) and extra state: the module's own, since parameters are ours; rank 0's
-        # (each rank's statistics saw its own batch in the last forward), as DDP's broadcast_buffers
-        own = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in self.module.state_dict().items()}
-        _broadcast_from_rank0([v for v in own.values() if torch.is_tensor(v) and v.numel() > 0], self.groups.whole)
+        own = self.rank0_module_state()
         if keep:
             out.update(own)
         for b in self._flat_buffers:
@@ -608,6 +605,16 @@ class ParoShardedModule(nn.Module):
                 for _, _, alias in s.aliases:
                     out[alias] = out[s.fqn]
         return out
+
+    def rank0_module_state(self) -> dict[str, Any]:
+        """The wrapped module's own state (buffers such as BatchNorm statistics, extra state), rank 0's; collective.
+
+        Copies: each rank's statistics saw its own batch in the last forward, and rank 0's stand for the model, as
+        with DDP's ``broadcast_buffers``. (Parameters are the engine's: not in it.)
+        """
+        own = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in self.module.state_dict().items()}
+        _broadcast_from_rank0([v for v in own.values() if torch.is_tensor(v) and v.numel() > 0], self.groups.whole)
+        return own
 
     def state_dict(  # type: ignore[override]
         self, *args: Any, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False
