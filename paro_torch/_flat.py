@@ -1,18 +1,24 @@
-"""One unit's parameters in a padded flat buffer and its p, g and os shards (nested layout, paro-spec §3).
+"""One unit's parameters in a flat buffer for communication, and per parameter for the optimizer (paro-spec §3).
 
-Rank (k, r) holds I-shard r of the padded buffer and, inside it, G-shard block r·g + k, so going N→I is an
-intra-group collective and I→G an inter-group one among ranks of equal local rank.
+Each parameter is sharded by rows, as ``torch.chunk`` and a DTensor with ``Shard(0)`` shard it: first into m
+I-chunks by local rank r, then each into g G-chunks by group k. The optimizer sees each parameter's os chunk as
+a DTensor on the (intra, inter) mesh, under the parameter's own name. For communication the chunks are packed
+into equal blocks, one per shard at the buffer's finest granularity (paro_torch._C.RowLayout), so going N↔I is
+one intra-group collective and I↔G one inter-group collective among ranks of equal local rank, on one flat
+buffer (copy-in before a reduction, copy-out after a gather, as FSDP2 does). Whole parameters for compute live
+in their natural layout: one tensor, the parameters back to back, which the module sees as views.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from paro_torch import _C
 from paro_torch._groups import ParoGroups
@@ -20,18 +26,45 @@ from paro_torch._groups import ParoGroups
 N, I, G = "N", "I", "G"  # noqa: E741  (the paper's granularity letters)
 
 
+def param_rows(shape: torch.Size) -> tuple[int, int, bool]:
+    """(rows, elements per row, replicated) of a parameter for ``_C.RowLayout``; a 0-dim one is held whole."""
+    if len(shape) == 0:
+        return 1, 1, True
+    numel = shape.numel()
+    return shape[0], numel // shape[0] if shape[0] else 1, False
+
+
 @dataclass
 class ParamSlot:
-    """Where one original parameter lives in a flat buffer."""
+    """One original parameter: where it lives in the natural layout, and its names."""
 
     module: nn.Module
     name: str
     fqn: str
     shape: torch.Size
     offset: int
+    """Offset in the natural layout (the parameters back to back)."""
     numel: int
     aliases: list[tuple[nn.Module, str, str]] = field(default_factory=list)
     """Other (module, attribute, fqn) that share the parameter (tied weights)."""
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Its name and those it is tied under."""
+        return (self.fqn, *(a[2] for a in self.aliases))
+
+    @property
+    def replicated(self) -> bool:
+        """A 0-dimensional parameter has no rows to shard: every block holds it whole."""
+        return len(self.shape) == 0
+
+    @property
+    def rows(self) -> int:
+        return 1 if self.replicated else self.shape[0]
+
+    @property
+    def row_numel(self) -> int:
+        return self.numel // self.rows if self.rows else 1
 
 
 Sent = dict[str, int]
@@ -47,7 +80,7 @@ def _ring(sent: Sent, level: str, pg: dist.ProcessGroup, x: torch.Tensor, times:
 def _reduce_scatter(x: torch.Tensor, pg: dist.ProcessGroup | None, sent: Sent, level: str) -> torch.Tensor:
     if pg is None:
         return x
-    out = torch.empty(x.numel() // dist.get_world_size(pg), dtype=x.dtype)
+    out = torch.empty(x.numel() // dist.get_world_size(pg), dtype=x.dtype, device=x.device)
     dist.reduce_scatter_tensor(out, x, group=pg)
     _ring(sent, level, pg, x)
     return out
@@ -63,8 +96,16 @@ def _all_gather(out: torch.Tensor, x: torch.Tensor, pg: dist.ProcessGroup | None
     _ring(sent, level, pg, out)
 
 
+def placements(granularity: str) -> tuple[Placement, Placement]:
+    """A DTensor's placements on the (intra, inter) mesh for a granularity (nested: I-chunk, then G-chunk)."""
+    return {N: (Replicate(), Replicate()), I: (Shard(0), Replicate()), G: (Shard(0), Shard(0))}[granularity]
+
+
 class FlatBuffer:
-    """The trainable (or the frozen) parameters of one unit, packed, padded to a multiple of n and sharded."""
+    """The trainable (or the frozen) parameters of one unit: blocks for communication, DTensors for the optimizer.
+
+    A trainable buffer is laid out at os, its finest granularity in every valid strategy; a frozen one at p.
+    """
 
     def __init__(
         self,
@@ -72,10 +113,12 @@ class FlatBuffer:
         values: list[torch.Tensor],
         strategy: _C.Strategy,
         groups: ParoGroups,
+        mesh: DeviceMesh,
         trainable: bool,
         param_dtype: torch.dtype,
         on_grad_ready: Callable[[FlatBuffer, torch.Tensor], None] | None = None,
         reduce_groups: ParoGroups | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.slots = slots
         self.sent: Sent = {"intra": 0, "inter": 0}
@@ -87,64 +130,132 @@ class FlatBuffer:
         self.on_grad_ready = on_grad_ready or (lambda b, grad: b.reduce(grad))
         self.strategy = strategy
         self.groups = groups
+        self.mesh = mesh
         self.trainable = trainable
         self.param_dtype = param_dtype
+        self.device = device if device is not None else torch.device("cpu")
+        self.level = strategy.os if trainable else strategy.p
+        self.layout = _C.RowLayout([param_rows(s.shape) for s in slots],
+                                   groups.world, groups.group_size, self.level)  # fmt: skip
+        self.places = self.layout.places
+        self.padded = self.layout.padded
+        self.numel = _C.RowLayout([(s.numel, 1, False) for s in slots], groups.world, groups.group_size, N).padded
+        """Elements of the natural layout: the parameters back to back, padded to a multiple of n (as at N)."""
         sizes = [s.numel for s in slots]
-        assert [s.offset for s in slots] == list(itertools.accumulate(sizes, initial=0))[:-1], "slots not contiguous"
-        self.numel = sum(sizes)
-        self.padded = _C.padded_numel(self.numel, groups.world)
-        self._split_sizes = [*sizes, self.padded - self.numel]  # the parameters, then the padding
-        full = torch.zeros(self.padded, dtype=param_dtype)
-        master_full = torch.zeros(self.padded, dtype=torch.float32) if trainable else None
+        self._split_sizes = [*sizes, self.numel - sum(sizes)]  # the parameters, then the padding
+        natural = torch.zeros(self.numel, device=self.device)
         for s, v in zip(slots, values, strict=True):
-            full[s.offset : s.offset + s.numel] = v.detach().reshape(-1)
-            if master_full is not None:
-                master_full[s.offset : s.offset + s.numel] = v.detach().reshape(-1).float()
+            natural[s.offset : s.offset + s.numel] = v.detach().reshape(-1)
         self.p_lo, self.p_hi = self.range(strategy.p)
-        # p-shard: the persistent parameter storage (the whole buffer when p = N)
-        self.p_shard = full if strategy.p == N else full[self.p_lo : self.p_hi].clone()
+        # p-shard: the persistent parameter storage (the whole natural layout when p = N)
+        if strategy.p == N:
+            self.p_shard = natural.to(param_dtype, copy=True)
+        else:
+            self.p_shard = self.to_blocks(natural.to(param_dtype))[self.p_lo : self.p_hi].clone()
         self.full: torch.Tensor | None = self.p_shard if strategy.p == N else None
         self.grad_ready = False
-        self.master: nn.Parameter | None = None
         self.g_acc: torch.Tensor | None = None
+        self._master_region: torch.Tensor | None = None
+        self.params: list[nn.Parameter] = []
+        """Per slot: this rank's shard as a DTensor parameter (os for trainable, p for frozen), original shape."""
         if trainable:
             lo, hi = self.range(strategy.os)
-            if param_dtype == torch.float32:  # the os shard nests in the p shard: update it in place
-                master = self.p_shard.detach()[lo - self.p_lo : hi - self.p_lo]
+            shares = param_dtype == torch.float32 and (strategy.p != N or strategy.os == N)
+            if shares:  # the os block is part of the p-shard: the optimizer updates the parameters in place
+                self._master_region = self.p_shard.detach()[lo - self.p_lo : hi - self.p_lo]
             else:
-                master = master_full[lo:hi].clone()
-            self.master = nn.Parameter(master, requires_grad=True)
+                self._master_region = self.to_blocks(natural.float())[lo:hi].clone()
             g_lo, g_hi = self.range(strategy.g)
             # gradients are reduced and accumulated in the compute dtype (2 bytes for bf16, as in paro-spec §1)
-            self.g_acc = torch.zeros(g_hi - g_lo, dtype=param_dtype)
+            self.g_acc = torch.zeros(g_hi - g_lo, dtype=param_dtype, device=self.device)
             if strategy.p == N:
                 self.p_shard.requires_grad_(True)
                 self.p_shard.register_post_accumulate_grad_hook(self._on_grad)
+            self.params = [nn.Parameter(t, requires_grad=True) for t in self._dtensors(self._master_region)]
+        else:
+            self.params = [nn.Parameter(t, requires_grad=False) for t in self._dtensors(self.p_shard.detach())]
 
     # -- layout -------------------------------------------------------------------------------------------
     def range(self, granularity: str) -> tuple[int, int]:
-        """The slice of the padded buffer this rank holds at a granularity."""
+        """The slice of the whole (blocked, padded) buffer this rank holds at a granularity."""
+        return self.layout.range(granularity, self.groups.rank)
+
+    def _my_block(self) -> int:
         g = self.groups
-        return _C.shard_range(self.numel, g.world, g.group_size, granularity, g.rank)
+        return {N: 0, I: g.local_rank, G: g.local_rank * g.num_groups + g.group_index}[self.level]
+
+    def _locals(self, region: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's chunk as a view of this rank's block (``region``), in the parameter's shape."""
+        block = self._my_block()
+        out = []
+        for s, (offset, _, chunks) in zip(self.slots, self.places, strict=True):
+            rows = chunks[block][1]
+            shape = s.shape if s.replicated else (rows, *s.shape[1:])
+            out.append(region[offset : offset + rows * s.row_numel].view(shape))
+        return out
+
+    def _dtensors(self, region: torch.Tensor) -> list[DTensor]:
+        out = []
+        for s, local in zip(self.slots, self._locals(region), strict=True):
+            pl = placements(N if s.replicated else self.level)
+            stride = torch.empty(s.shape, device="meta").stride()
+            out.append(DTensor.from_local(local, self.mesh, pl, run_check=False, shape=s.shape, stride=stride))
+        return out
+
+    def to_blocks(self, natural: torch.Tensor) -> torch.Tensor:
+        """The natural layout → the whole blocked buffer (zeros in the padding); the same tensor at N."""
+        if self.level == N:
+            return natural
+        out = natural.new_zeros(self.padded)
+        blocks = out.view(self.layout.blocks, self.layout.block_numel)
+        for s, (offset, slot_rows, chunks) in zip(self.slots, self.places, strict=True):
+            src = natural[s.offset : s.offset + s.numel].view(s.rows, s.row_numel)
+            width = slot_rows * s.row_numel
+            if not s.replicated and s.rows == slot_rows * len(chunks):  # even: one strided copy
+                blocks[:, offset : offset + width].copy_(src.reshape(len(chunks), width))
+                continue
+            for b, (start, rows) in enumerate(chunks):
+                if rows:
+                    blocks[b, offset : offset + rows * s.row_numel].copy_(src[start : start + rows].reshape(-1))
+        return out
+
+    def from_blocks(self, whole: torch.Tensor, natural: torch.Tensor) -> None:
+        """Writes the whole blocked buffer into the natural layout (in place)."""
+        if self.level == N:
+            if whole.data_ptr() != natural.data_ptr():
+                natural.copy_(whole)
+            return
+        blocks = whole.view(self.layout.blocks, self.layout.block_numel)
+        for s, (offset, slot_rows, chunks) in zip(self.slots, self.places, strict=True):
+            dst = natural[s.offset : s.offset + s.numel].view(s.rows, s.row_numel)
+            width = slot_rows * s.row_numel
+            if not s.replicated and s.rows == slot_rows * len(chunks):
+                dst.view(len(chunks), width).copy_(blocks[:, offset : offset + width])
+                continue
+            for b, (start, rows) in enumerate(chunks[:1] if s.replicated else chunks):
+                if rows:
+                    dst[start : start + rows].view(-1).copy_(blocks[b, offset : offset + rows * s.row_numel])
 
     # -- parameters: p → N (unshard) and back (reshard) --------------------------------------------------------
     def unshard(self) -> torch.Tensor:
-        """Makes the whole buffer available (gathering it for p = I, G) and returns it."""
+        """Makes the whole natural buffer available (gathering it for p = I, G) and returns it."""
         if self.strategy.p == N:
             return self.p_shard
         if self.full is None:
-            self.full = torch.empty(self.padded, dtype=self.param_dtype)
+            self.full = torch.empty(self.numel, dtype=self.param_dtype, device=self.device)
             if self.trainable:
                 self.full.requires_grad_(True)
                 self.full.register_post_accumulate_grad_hook(self._on_grad)
         elif self.full.untyped_storage().size() == 0:
-            self.full.untyped_storage().resize_(self.padded * self.full.element_size())
+            self.full.untyped_storage().resize_(self.numel * self.full.element_size())
         else:
             return self.full
+        whole = torch.empty(self.padded, dtype=self.param_dtype, device=self.device)
+        self._gather_to_whole(self.p_shard, self.strategy.p, whole)
         # the re-gather before backward refills the storage that forward's saved views point to; keep the
         # version counter so autograd accepts it (as FSDP does)
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full):
-            self._gather_to_full(self.p_shard, self.strategy.p, self.full)
+            self.from_blocks(whole, self.full.detach())
         return self.full
 
     def reshard(self) -> None:
@@ -160,8 +271,8 @@ class FlatBuffer:
         """Whether the gathered whole buffer is held now (p = I, G)."""
         return self.full is not None and self.strategy.p != N and self.full.untyped_storage().size() > 0
 
-    def _gather_to_full(self, shard: torch.Tensor, granularity: str, out: torch.Tensor) -> None:
-        """Out (whole padded buffer) ← shard held at granularity: inter all-gather G→I, intra all-gather I→N."""
+    def _gather_to_whole(self, shard: torch.Tensor, granularity: str, out: torch.Tensor) -> None:
+        """Out (the whole blocked buffer) ← shard held at granularity: inter all-gather G→I, intra all-gather I→N."""
         g = self.groups
         out = out.detach()
         if granularity == N:
@@ -174,25 +285,8 @@ class FlatBuffer:
             out[i_lo:i_hi].copy_(shard)
         _all_gather(out, out[i_lo:i_hi], g.intra, self.sent, "intra")
 
-    def held(self) -> tuple[torch.Tensor, int]:
-        """This rank's part of the buffer, detached, and where it starts in the padded buffer.
-
-        The master shard (os) for a trainable buffer, else the parameter shard (p).
-        """
-        if self.master is not None:
-            return self.master.detach(), self.range(self.strategy.os)[0]
-        return self.p_shard.detach(), self.p_lo
-
-    def overlaps(self, lo: int, hi: int) -> list[tuple[ParamSlot, int, int]]:
-        """(slot, start, stop) of every parameter's part inside [lo, hi) of the padded buffer (may be empty)."""
-        out = []
-        for s in self.slots:
-            start = max(lo, s.offset)
-            out.append((s, start, max(start, min(hi, s.offset + s.numel))))
-        return out
-
     def views(self) -> list[torch.Tensor]:
-        """The original parameters as views of the whole buffer (call after unshard).
+        """The original parameters as views of the whole natural buffer (call after unshard).
 
         One ``split`` rather than a slice per parameter: autograd then builds the buffer's gradient with one
         concatenation, where slices would each materialise a whole-buffer gradient to be summed.
@@ -211,13 +305,13 @@ class FlatBuffer:
         self.on_grad_ready(self, grad)
 
     def reduce(self, grad: torch.Tensor) -> None:
-        """One micro-step: reduces the whole-buffer gradient to g's layout and accumulates it (spec §5.1).
+        """One micro-step: reduces the natural-layout gradient to g's layout and accumulates it (spec §5.1).
 
         Nothing for g = N, an intra-group reduce-scatter for I, then an inter-group one for G. The engine runs
         it on its communication thread, so it overlaps the backward of the units before this one.
         """
         assert self.g_acc is not None
-        x = grad.to(self.g_acc.dtype) / self.groups.world  # pre-divide: sums of n ranks stay in range (fp16)
+        x = self.to_blocks(grad.to(self.g_acc.dtype) / self.groups.world)  # pre-divide: sums stay in range (fp16)
         if self.strategy.g != N:
             x = _reduce_scatter(x.contiguous(), self.rgroups.intra, self.rsent, "intra")
         if self.strategy.g == G:
@@ -227,9 +321,9 @@ class FlatBuffer:
     def sync_grad(self) -> bool:
         """Accumulation boundary: bring the accumulated gradients (already means over ranks) to os's layout.
 
-        Returns whether it created the master's ``.grad`` (it was None).
+        Returns whether it created the parameters' ``.grad`` (they were None).
         """
-        assert self.g_acc is not None and self.master is not None
+        assert self.g_acc is not None
         s, groups = self.strategy, self.rgroups
         x = self.g_acc
         if s.g == N:
@@ -241,45 +335,83 @@ class FlatBuffer:
                 x = x.clone()
                 dist.all_reduce(x, group=groups.inter)
                 _ring(self.rsent, "inter", groups.inter, x, times=2)
-        if s.os == N:
-            full = torch.empty(self.padded, dtype=x.dtype)
+        if s.os == N:  # NNN: reduce-scatter, all-reduce across groups, all-gather: a hierarchical all-reduce
+            full = torch.empty(self.padded, dtype=x.dtype, device=self.device)
             _all_gather(full, x, groups.intra, self.rsent, "intra")
             x = full
-        created = self.master.grad is None
-        if created:
-            self.master.grad = x.to(self.master.dtype, copy=True)
-        else:  # synced on more than one micro-step (no no_sync): gradients add up, as with DDP
-            self.master.grad.add_(x)
+        region = x.to(torch.float32, copy=True)
+        created = all(p.grad is None for p in self.params)
+        for p, local in zip(self.params, self._locals(region), strict=True):
+            if p.grad is None:
+                p.grad = DTensor.from_local(local, self.mesh, p.placements, run_check=False,
+                                            shape=p.shape, stride=p.stride())  # fmt: skip
+            else:  # synced on more than one micro-step (no no_sync): gradients add up, as with DDP
+                p.grad.to_local().add_(local)
         self.g_acc.zero_()
         return created
 
+    def clear_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
+
     # -- parameters after the optimizer step: os → p ----------------------------------------------------------
     def sync_params(self) -> None:
-        """Brings the updated os shard back to p's layout: inter all-gather G→I, intra all-gather I→N."""
-        assert self.master is not None
+        """Brings the updated os shards back to p's layout: inter all-gather G→I, intra all-gather I→N."""
+        assert self._master_region is not None
         s = self.strategy
         os_lo, os_hi = self.range(s.os)
         p_shard = self.p_shard.detach()
+        master = self._master_region
         with torch.no_grad():
-            if self.param_dtype != torch.float32:
-                p_shard[os_lo - self.p_lo : os_hi - self.p_lo].copy_(self.master)
-            if s.os != s.p:
-                # work in whole-buffer coordinates: p_shard covers [p_lo, p_hi) of it
-                i_lo, i_hi = self.range(I)
-                if s.os == G:
+            if s.p != N:
+                if master.data_ptr() != p_shard[os_lo - self.p_lo :].data_ptr():
+                    p_shard[os_lo - self.p_lo : os_hi - self.p_lo].copy_(master)
+                if s.os != s.p:  # p = I, os = G
+                    i_lo, i_hi = self.range(I)
                     dst = p_shard[i_lo - self.p_lo : i_hi - self.p_lo]
                     _all_gather(
                         dst, p_shard[os_lo - self.p_lo : os_hi - self.p_lo], self.groups.inter, self.sent, "inter"
                     )
-                if s.p == N:
-                    _all_gather(p_shard, p_shard[i_lo:i_hi], self.groups.intra, self.sent, "intra")
+            elif s.os == N:
+                if master.data_ptr() != p_shard.data_ptr():
+                    p_shard.copy_(master)
+            else:  # p = N keeps the natural layout: gather the blocks, then copy out
+                whole = torch.empty(self.padded, dtype=self.param_dtype, device=self.device)
+                self._gather_to_whole(master.to(self.param_dtype), s.os, whole)
+                self.from_blocks(whole, p_shard)
 
     def full_values(self) -> torch.Tensor:
-        """The whole buffer's current values (masters for trainable parameters), gathered on every rank."""
-        out = torch.empty(self.padded, dtype=torch.float32 if self.trainable else self.param_dtype)
+        """The whole natural buffer's current values (masters for trainable parameters), gathered on every rank."""
+        dtype = torch.float32 if self.trainable else self.param_dtype
+        out = torch.empty(self.numel, dtype=dtype, device=self.device)
         with torch.no_grad():
-            if self.master is not None:
-                self._gather_to_full(self.master.detach().to(out.dtype), self.strategy.os, out)
+            if self._master_region is not None:
+                shard, granularity = self._master_region.to(dtype), self.strategy.os
             else:
-                self._gather_to_full(self.p_shard, self.strategy.p, out)
+                shard, granularity = self.p_shard.detach(), self.strategy.p
+            if granularity == N and self.level == N:
+                return shard.clone()
+            whole = torch.empty(self.padded, dtype=dtype, device=self.device)
+            self._gather_to_whole(shard, granularity, whole)
+            self.from_blocks(whole, out)
         return out
+
+    def load_full(self, values: dict[int, torch.Tensor]) -> None:
+        """Copies each given slot's whole value (by slot index) into this rank's shard of it; not collective.
+
+        Call ``sync_params`` afterwards (on every rank) for trainable buffers.
+        """
+        block = self._my_block()
+        with torch.no_grad():
+            for i, v in values.items():
+                s, (_, _, chunks), p = self.slots[i], self.places[i], self.params[i]
+                start, rows = chunks[block]
+                src = v.detach().reshape(s.shape)
+                p.to_local().copy_(src if s.replicated else src[start : start + rows])
+
+    def master_bytes(self) -> int:
+        """Bytes of float32 masters held apart from the parameters (0 when they share the p-shard's storage)."""
+        m = self._master_region
+        if m is None or m.untyped_storage().data_ptr() == self.p_shard.untyped_storage().data_ptr():
+            return 0
+        return m.numel() * m.element_size()

@@ -104,7 +104,7 @@ def default_memory_budget(group_size: int) -> int:
 
 
 def choose_strategy(
-    blocks: list[tuple[int, int]],
+    blocks: list[dict[str, Any]],
     groups: ParoGroups,
     *,
     links: LinkCalibration,
@@ -121,7 +121,7 @@ def choose_strategy(
         ValueError: nothing (or ``only``) fits the memory budget, raised on every rank, with what it needs.
     """
     request = {
-        "model": {"blocks": [{"numel": n, "trainable": t} for n, t in blocks]},
+        "model": {"blocks": blocks},
         "cluster": {
             "world": groups.world,
             "group_size": groups.group_size,

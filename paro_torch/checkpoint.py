@@ -2,16 +2,14 @@
 
 Layout, independent of the strategy, the group size and the world size (so loading reshards):
 
-- ``model.<name>``: each parameter flattened to 1-D (its shape is kept in ``paro.json``); trainable ones as
-  their float32 masters;
-- ``optim.<name>.<state>``: optimizer states shaped like the parameters (Adam's ``exp_avg``...), also 1-D, and
-  scalar states (``step``) once per parameter;
+- ``model.<name>``: each parameter as the DTensor ``state_dict()`` holds (trainable ones: float32 masters) and
+  each buffer (rank 0's);
+- ``optim.<name>.<state>``: optimizer states (DTensors shaped like the parameters, and scalars such as ``step``);
 - ``optim.param_groups``: the hyperparameters of each param group.
 
-Every rank declares the slices of its optimizer-state shard (frozen parameters: its parameter shard); DCP
-writes one copy of slices that several ranks hold. A save goes to ``<path>.partial`` and rank 0 renames it
-to ``path`` after every rank has written its part and ``paro.json`` marks it complete, so an interrupted save
-never appears under ``path``.
+DCP writes each rank's chunks once and reads, on load, the rows each rank's shards cover. A save goes to
+``<path>.partial`` and rank 0 renames it to ``path`` after every rank has written its part and ``paro.json``
+marks it complete, so an interrupted save never appears under ``path``.
 """
 
 from __future__ import annotations
@@ -25,59 +23,43 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.nn as nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from paro_torch._agree import raise_together
-from paro_torch._flat import FlatBuffer
 from paro_torch.sharded_module import ParoShardedModule
 
 MARKER = "paro.json"
-FORMAT = 1
+FORMAT = 2
 
 
-def _buffers(model: ParoShardedModule) -> list[FlatBuffer]:
-    return model._flat_buffers
+def _params(model: ParoShardedModule) -> dict[str, nn.Parameter]:
+    """Every parameter (this rank's shard) under its primary name."""
+    return {s.fqn: p for b in model._flat_buffers for s, p in zip(b.slots, b.params, strict=True)}
 
 
-def _pieces(local: torch.Tensor, lo: int, b: FlatBuffer, prefix: str, suffix: str = "") -> dict[str, torch.Tensor]:
-    """One DCP entry per parameter: ``local`` (covering [lo, lo + len) of ``b``) with the chunk it holds."""
-    out = {}
-    for s, start, stop in b.overlaps(lo, lo + local.numel()):
-        t = local.detach()  # a new tensor object per entry, sharing the storage
-        t.global_shape = (s.numel,)  # type: ignore[attr-defined]
-        chunks = ((start - s.offset,),) if stop > start else ()
-        t.global_offsets = chunks  # type: ignore[attr-defined]
-        t.local_offsets = ((start - lo,),) if chunks else ()  # type: ignore[attr-defined]
-        t.local_sizes = ((stop - start,),) if chunks else ()  # type: ignore[attr-defined]
-        out[f"{prefix}{s.fqn}{suffix}"] = t
-    return out
+def _trainable(model: ParoShardedModule) -> dict[str, nn.Parameter]:
+    return {s.fqn: p for b in model._flat_buffers if b.trainable for s, p in zip(b.slots, b.params, strict=True)}
 
 
 def _model_entries(model: ParoShardedModule, buffers: dict[str, torch.Tensor]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for b in _buffers(model):
-        out.update(_pieces(*b.held(), b, "model."))
+    out: dict[str, Any] = {f"model.{k}": p.detach() for k, p in _params(model).items()}
     out.update({f"model.{k}": v for k, v in buffers.items()})
     return out
 
 
 def _module_buffers(model: ParoShardedModule) -> dict[str, torch.Tensor]:
     """The wrapped module's persistent buffers (e.g. BatchNorm statistics): the tensors themselves, to load into."""
-    return {k: v for k, v in model.module.state_dict(keep_vars=True).items() if torch.is_tensor(v)}
+    names = model._param_names
+    return {k: v for k, v in model.module.state_dict(keep_vars=True).items() if torch.is_tensor(v) and k not in names}
 
 
 def _optimizer_entries(model: ParoShardedModule, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     _check_optimizer(model, optimizer)
     out: dict[str, Any] = {}
-    for b in _buffers(model):
-        if b.master is None:
-            continue
-        master, lo = b.held()
-        for name, v in optimizer.state.get(b.master, {}).items():
-            if torch.is_tensor(v) and v.dim() == 1 and v.shape == master.shape:
-                out.update(_pieces(v, lo, b, "optim.", f".{name}"))
-            else:  # scalars ("step") and other objects: the same on every rank that holds the buffer
-                out.update({f"optim.{s.fqn}.{name}": v for s in b.slots})
+    for fqn, p in _trainable(model).items():
+        for name, v in optimizer.state.get(p, {}).items():
+            out[f"optim.{fqn}.{name}"] = v
     # a tuple is one object for DCP (a list of dicts would be flattened into entries)
     out["optim.param_groups"] = tuple({k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups)
     return out
@@ -88,7 +70,7 @@ def _check_optimizer(model: ParoShardedModule, optimizer: torch.optim.Optimizer)
     if any(id(p) not in mine for g in optimizer.param_groups for p in g["params"]):
         raise ValueError(
             "the optimizer holds tensors that are not this ParoShardedModule's parameters; build it on "
-            "model.parameters() (the sharded masters), after wrapping the model"
+            "model.parameters() (the sharded parameters), after wrapping the model"
         )
 
 
@@ -124,7 +106,7 @@ def save_checkpoint(
             "world_size": dist.get_world_size(),
             "group_size": model.groups.group_size,
             "optimizer": optimizer is not None,
-            "params": {s.fqn: list(s.shape) for b in _buffers(model) for s in b.slots},
+            "params": {k: list(p.shape) for k, p in _params(model).items()},
             "buffers": sorted(saved_buffers),
         }
         (partial / MARKER).write_text(json.dumps(marker, indent=1))
@@ -174,8 +156,8 @@ def load_checkpoint(
     if optimizer is not None:
         _install_optimizer_state(model, optimizer, entries, states)
     with torch.no_grad():
-        for b in _buffers(model):
-            if b.master is not None:
+        for b in model._flat_buffers:
+            if b.trainable:
                 b.sync_params()
 
 
@@ -195,7 +177,7 @@ def _read_marker(path: Path) -> dict[str, Any]:
 
 def _check_compatible(model: ParoShardedModule, marker: dict[str, Any], metadata: Metadata, path: Path) -> None:
     saved: dict[str, list[int]] = marker["params"]
-    mine = {s.fqn: list(s.shape) for b in _buffers(model) for s in b.slots}
+    mine = {k: list(p.shape) for k, p in _params(model).items()}
     missing = sorted(set(mine) - set(saved))
     unexpected = sorted(set(saved) - set(mine))
     common = set(mine) & set(saved)
@@ -215,7 +197,7 @@ def _check_compatible(model: ParoShardedModule, marker: dict[str, Any], metadata
 def _check_optimizer_state(model: ParoShardedModule, metadata: Metadata, path: Path) -> None:
     """Either no trainable parameter has optimizer state (saved before the first step) or all have."""
     keys = {k.rsplit(".", 1)[0] for k in metadata.state_dict_metadata if k.startswith("optim.")}
-    trainable = [s.fqn for b in _buffers(model) if b.master is not None for s in b.slots]
+    trainable = list(_trainable(model))
     absent = [fqn for fqn in trainable if f"optim.{fqn}" not in keys]
     if absent and len(absent) < len(trainable):
         raise ValueError(
@@ -227,27 +209,24 @@ def _check_optimizer_state(model: ParoShardedModule, metadata: Metadata, path: P
 def _fresh_optimizer_entries(
     model: ParoShardedModule, optimizer: torch.optim.Optimizer, metadata: Metadata
 ) -> tuple[dict[str, Any], dict[int, dict[str, torch.Tensor | str]]]:
-    """Load targets for the optimizer states in the checkpoint, shaped for this rank's masters.
+    """Load targets for the optimizer states in the checkpoint, shaped like this rank's parameter shards.
 
-    Returns the DCP entries and, per master, each state's tensor (loaded in place) or its entry's key
+    Returns the DCP entries and, per parameter, each state's tensor (loaded in place) or its entry's key
     (scalars and objects, read back from the entries after loading).
     """
     md = metadata.state_dict_metadata
     entries: dict[str, Any] = {"optim.param_groups": None}
     states: dict[int, dict[str, torch.Tensor | str]] = {}
-    for b in _buffers(model):
-        if b.master is None:
-            continue
-        master, lo = b.held()
-        first = f"optim.{b.slots[0].fqn}."
+    for fqn, p in _trainable(model).items():
+        first = f"optim.{fqn}."
         state: dict[str, torch.Tensor | str] = {}
         for key, kind in md.items():
             if not key.startswith(first) or "." in key[len(first) :]:
                 continue
             name = key[len(first) :]
-            if isinstance(kind, TensorStorageMetadata) and len(kind.size) == 1:
-                state[name] = torch.zeros_like(master, dtype=kind.properties.dtype)
-                entries.update(_pieces(state[name], lo, b, "optim.", f".{name}"))
+            if isinstance(kind, TensorStorageMetadata) and tuple(kind.size) == tuple(p.shape) and name != "step":
+                state[name] = torch.zeros_like(p.detach(), dtype=kind.properties.dtype)
+                entries[key] = state[name]
             else:
                 state[name] = key
                 entries[key] = (
@@ -255,7 +234,7 @@ def _fresh_optimizer_entries(
                     if isinstance(kind, TensorStorageMetadata)
                     else None
                 )
-        states[id(b.master)] = state
+        states[id(p)] = state
     return entries, states
 
 
@@ -271,11 +250,9 @@ def _install_optimizer_state(
             f"the checkpoint's optimizer has {len(groups)} param groups, this one {len(optimizer.param_groups)}; "
             "build the optimizer with the same groups"
         )
-    for b in _buffers(model):
-        if b.master is not None:
-            optimizer.state[b.master] = {
-                name: entries[v] if isinstance(v, str) else v for name, v in states[id(b.master)].items()
-            }
+    for p in _trainable(model).values():
+        if states[id(p)]:
+            optimizer.state[p] = {name: entries[v] if isinstance(v, str) else v for name, v in states[id(p)].items()}
     for group, saved in zip(optimizer.param_groups, groups, strict=True):
         group.update(saved)
 

@@ -17,7 +17,6 @@ import hashlib
 import logging
 import os
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -27,12 +26,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from paro_torch import _C
 from paro_torch._agree import raise_together
 from paro_torch._backend import check_node_layout, resolve_group_size
-from paro_torch._flat import FlatBuffer, G, I, N, ParamSlot
+from paro_torch._flat import FlatBuffer, G, I, N, ParamSlot, param_rows
 from paro_torch._groups import ParoGroups, build_groups, twin_groups
 from paro_torch._report import format_report
 from paro_torch.api import MixedPrecision
@@ -46,8 +46,12 @@ WrapPolicy = set[type[nn.Module]] | Callable[[nn.Module], bool] | None
 _Entry = tuple[str, nn.Module, str, nn.Parameter]  # (fqn, owning module, attribute name, parameter)
 
 
-def _assign_units(module: nn.Module, policy: WrapPolicy) -> list[tuple[nn.Module, list[_Entry]]]:
-    """Each unit's module and parameters: wrapped blocks (inner first), then the root with the rest."""
+_Assignment = tuple[nn.Module, list[_Entry], list[nn.Module]]
+"""A unit's module, its parameters and its own modules (those of its subtree outside inner units)."""
+
+
+def _assign_units(module: nn.Module, policy: WrapPolicy) -> list[_Assignment]:
+    """Each unit's module, parameters and own modules: wrapped blocks (inner first), then the root with the rest."""
 
     def wraps(m: nn.Module) -> bool:
         if policy is None or m is module:
@@ -56,8 +60,10 @@ def _assign_units(module: nn.Module, policy: WrapPolicy) -> list[tuple[nn.Module
 
     owner: dict[int, nn.Module] = {}
     blocks: list[nn.Module] = [module]
+    members: dict[int, dict[int, nn.Module]] = {}
 
     def visit(prefix: str, m: nn.Module, unit: nn.Module) -> None:
+        members.setdefault(id(unit), {})[id(m)] = m
         for name, p in m.named_parameters(recurse=False):
             if owner.setdefault(id(p), unit) is not unit:
                 raise ValueError(
@@ -79,7 +85,7 @@ def _assign_units(module: nn.Module, policy: WrapPolicy) -> list[tuple[nn.Module
                 seen.add((id(m), name))
                 fqn = f"{mod_name}.{name}" if mod_name else name
                 by_unit[id(owner[id(p)])].append((fqn, m, name, p))
-    return [(b, by_unit[id(b)]) for b in reversed(blocks)]
+    return [(b, by_unit[id(b)], list(members[id(b)].values())) for b in reversed(blocks)]
 
 
 class TrainingState(enum.Enum):
@@ -114,22 +120,30 @@ class _Unit:
     def gather(self) -> None:
         """Brings the parameters up to date after an optimizer step (t_syncp), then unshards them."""
         for b in self.buffers:
-            if self.needs_sync and b.master is not None:
+            if self.needs_sync and b.trainable:
                 b.sync_params()
             b.unshard()
         self.needs_sync = False
 
     def set_views(self) -> None:
+        """Points the modules' attributes at whole parameters for compute (``named_parameters()`` keep the shards).
+
+        An instance attribute shadows the module's ``_parameters`` entry (the sharded DTensor) until ``reshard``.
+        """
         for b in self.buffers:
             b.unshard()
-            for slot, view in zip(b.slots, b.views(), strict=True):
-                setattr(slot.module, slot.name, view)
-                for module, name, _ in slot.aliases:
-                    setattr(module, name, view)
+            for slot, view in zip(b.slots, b.views(), strict=False):
+                for module, name in [(slot.module, slot.name), *[(a[0], a[1]) for a in slot.aliases]]:
+                    module.__dict__[name] = view
 
     def reshard(self) -> None:
+        """Frees gathered parameters (p = I, G); the modules' attributes fall back to the sharded parameters."""
         for b in self.buffers:
             b.reshard()
+            if b.strategy.p != N:
+                for slot in b.slots:
+                    for module, name in [(slot.module, slot.name), *[(a[0], a[1]) for a in slot.aliases]]:
+                        module.__dict__.pop(name, None)
 
     def unsharded(self) -> bool:
         """Whether any of its buffers holds gathered parameters now."""
@@ -153,10 +167,14 @@ class ParoShardedModule(nn.Module):
             default: the GPU's free memory, or the host's memory shared by one group's ranks.
         grad_accum: Micro-steps per optimizer step, for the cost model.
         calibration: Link figures for auto (a LinkCalibration or a JSON path; also PARO_CALIBRATION).
-        sync_module_states: Broadcast rank 0's parameters and buffers first (as DDP does), so that ranks that
-            built the model with different seeds train one model.
+        sync_module_states: Broadcast rank 0's parameters and buffers (as DDP does; unit by unit), so that ranks
+            that built the model with different seeds train one model.
         broadcast_buffers: Before each training forward, make the buffers (e.g. BatchNorm statistics) rank 0's,
             as DDP's ``broadcast_buffers`` does.
+        device: Where parameters, gradients and buffers live (default: the CPU).
+        param_init_fn: For a model built on the meta device (``with torch.device("meta"):``): initialises one
+            module whose tensors were just materialised on ``device``; default its ``reset_parameters()``. Units
+            are materialised, initialised and sharded one at a time (inner blocks first, the root last).
 
     Raises:
         InvalidStrategyError: unknown or eliminated strategy. TopologyError: sizes that do not fit.
@@ -178,6 +196,8 @@ class ParoShardedModule(nn.Module):
         calibration: LinkCalibration | str | None = None,
         sync_module_states: bool = True,
         broadcast_buffers: bool = True,
+        device: torch.device | str | None = None,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
     ) -> None:
         super().__init__()
         param_dtype = mixed_precision.param_dtype if mixed_precision is not None else torch.float32
@@ -187,9 +207,10 @@ class ParoShardedModule(nn.Module):
         self.groups: ParoGroups = build_groups(m, process_groups, device_mesh)
         self.param_dtype = param_dtype
         self.module = module
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
         assignments = _assign_units(module, wrap_policy)
-        unique = [list({id(e[3]): e[3] for e in es}.values()) for _, es in assignments]
-        blocks = [(sum(p.numel() for p in ps), sum(p.numel() for p in ps if p.requires_grad)) for ps in unique if ps]
+        self.cost_blocks = _cost_blocks([a[1] for a in assignments], self.groups)
+        """The units as the cost model sees them (sizes and padded sizes per granularity)."""
         self.plan: dict[str, Any] | None = None
         """The cost model's report behind ``strategy="auto"`` (every strategy's memory, bytes, time)."""
         if auto or memory_budget is not None:
@@ -199,7 +220,7 @@ class ParoShardedModule(nn.Module):
             given = calibration is not None or os.environ.get("PARO_CALIBRATION")
             links = _links(calibration, self.groups) if auto or given else LinkCalibration(1e10, 1e9, 1e-5, 1e-5)
             code, self.plan = choose_strategy(
-                blocks,
+                self.cost_blocks,
                 self.groups,
                 links=links,
                 memory_budget=budget,
@@ -212,12 +233,12 @@ class ParoShardedModule(nn.Module):
             parsed = _C.Strategy(code)
         assert parsed is not None
         self.strategy = parsed
-        if sync_module_states:
-            _broadcast_from_rank0(list(module.parameters()) + list(module.buffers()), self.groups.whole)
-        self._buffers_to_sync = [b for b in module.buffers() if b.numel() > 0] if broadcast_buffers else []
+        self.mesh = _mesh(self.groups, self.device.type)
+        """The (intra, inter) mesh of the sharded parameters (DTensors); its groups serve DTensor ops only."""
         self._rgroups = twin_groups(self.groups)
         self._gather_world = dist.new_group(list(range(self.groups.world)), backend=dist.get_backend(self.groups.whole))
-        self._units = self._build_units(assignments)
+        self._units = self._build_units(assignments, sync_module_states, param_init_fn)
+        self._buffers_to_sync = [b for b in module.buffers() if b.numel() > 0] if broadcast_buffers else []
         self._flat_buffers = [b for u in self._units for b in u.buffers]
         self._sync_gradients = True
         self._in_backward = False
@@ -269,8 +290,10 @@ class ParoShardedModule(nn.Module):
         self._sync_params_next = False
         self._synced_since_boundary = False
         self._late_step = False
-        self._masters = nn.ParameterList([b.master for b in self._flat_buffers if b.master is not None])
-        master_ids = {id(p) for p in self._masters}
+        self._param_names = {
+            n for b in self._flat_buffers for s in b.slots for n in (s.fqn, *(a[2] for a in s.aliases))
+        }
+        master_ids = {id(p) for b in self._flat_buffers if b.trainable for p in b.params}
         me = weakref.ref(self)
 
         def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -285,9 +308,25 @@ class ParoShardedModule(nn.Module):
                 u.module.register_forward_hook(self._make_post_forward(u))
 
     # ------------------------------------------------------------------------------------------ construction
-    def _build_units(self, assignments: list[tuple[nn.Module, list[_Entry]]]) -> list[_Unit]:
+    def _build_units(
+        self, assignments: list[_Assignment], sync: bool, init_fn: Callable[[nn.Module], None] | None
+    ) -> list[_Unit]:
+        """Shards unit by unit, so that no rank holds more than the shards and one whole unit.
+
+        A unit on the meta device is materialised and initialised first; with ``sync`` it becomes rank 0's.
+        """
         units = []
-        for block, entries in assignments:
+        for block, entries, members in assignments:
+            if any(e[3].is_meta for e in entries) or any(b.is_meta for m in members for b in m.buffers(False)):
+                _materialize(members, self.device, init_fn)
+                entries = [(fqn, m, name, m._parameters[name]) for fqn, m, name, _ in entries]
+            for m in members:  # buffers live on the parameters' device
+                for name, b in m._buffers.items():
+                    if b is not None and b.device != self.device:
+                        m._buffers[name] = b.to(self.device)
+            if sync:
+                own = [b for m in members for b in m.buffers(False)]
+                _broadcast_from_rank0([e[3] for e in entries] + own, self.groups.whole)
             buffers = []
             for trainable in (True, False):
                 chosen = [e for e in entries if e[3].requires_grad == trainable]
@@ -303,19 +342,12 @@ class ParoShardedModule(nn.Module):
                         slots.append(first[id(p)])
                         values.append(p.detach())
                         offset += p.numel()
-                    del m._parameters[name]
-                buffers.append(
-                    FlatBuffer(
-                        slots,
-                        values,
-                        self.strategy,
-                        self.groups,
-                        trainable,
-                        self.param_dtype,
-                        self._grad_ready,
-                        reduce_groups=self._rgroups,
-                    )
-                )
+                buffer = FlatBuffer(slots, values, self.strategy, self.groups, self.mesh, trainable, self.param_dtype,
+                                    self._grad_ready, reduce_groups=self._rgroups, device=self.device)  # fmt: skip
+                for slot, param in zip(slots, buffer.params, strict=True):
+                    for m, name in [(slot.module, slot.name), *[(a[0], a[1]) for a in slot.aliases]]:
+                        m._parameters[name] = param  # the shard, under the parameter's own name
+                buffers.append(buffer)
             units.append(_Unit(len(units), block, buffers))
         return units
 
@@ -469,7 +501,9 @@ class ParoShardedModule(nn.Module):
 
     def _reduce_and_sync(self, i: int, grad: torch.Tensor | None, sync: bool) -> None:
         buffer = self._reduce_order[i]
-        buffer.reduce(grad if grad is not None else torch.zeros(buffer.padded, dtype=buffer.param_dtype))
+        buffer.reduce(
+            grad if grad is not None else torch.zeros(buffer.numel, dtype=buffer.param_dtype, device=buffer.device)
+        )
         if sync and buffer.sync_grad():
             self._created_grad.add(i)
 
@@ -500,7 +534,7 @@ class ParoShardedModule(nn.Module):
         late, used = bool(flags[-1]), flags[:-1]
         for i in self._created_grad:
             if used[i] == 0:  # unused on every rank in this accumulation window: no gradient, as in one process
-                self._reduce_order[i].master.grad = None  # type: ignore[union-attr]
+                self._reduce_order[i].clear_grads()
         self._created_grad.clear()
         self._used.zero_()
         self._sync_params_next = True
@@ -524,7 +558,7 @@ class ParoShardedModule(nn.Module):
             self._sync_params_next = False
             self._synced_since_boundary = True
             for u in self._units:
-                u.needs_sync = any(b.master is not None for b in u.buffers)
+                u.needs_sync = any(b.trainable for b in u.buffers)
         root = self._units[-1]
         if self._buffers_to_sync and self.training and torch.is_grad_enabled():
             self._gathers.submit(_broadcast_from_rank0, self._buffers_to_sync, self._gather_world).result()
@@ -569,21 +603,32 @@ class ParoShardedModule(nn.Module):
         self._sync_gradients = requires
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clips master gradients by the global norm, counting every shard once; returns the norm."""
-        if norm_type != 2.0:
-            raise ValueError("paro_torch: clip_grad_norm_ supports norm_type=2.0 only")
-        grads = [p.grad for p in self._masters if p.grad is not None]
-        sq = torch.zeros((), dtype=torch.float32)
-        for g in grads:
-            sq += g.float().pow(2).sum()
-        pg = {G: self.groups.whole, I: self.groups.intra, N: None}[self.strategy.os]
-        if pg is not None:
-            dist.all_reduce(sq, group=pg)
-        norm = sq.sqrt()
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef)
-        return norm
+        """``torch.nn.utils.clip_grad_norm_`` over the sharded parameters (the global norm); returns it, whole."""
+        norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    # ------------------------------------------------------------------------------- names and state dicts
+    def named_parameters(  # type: ignore[override]
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The wrapped module's parameters under their own names: this rank's shards, as DTensors."""
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(  # type: ignore[override]
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The wrapped module's buffers under their own names."""
+        return self.module.named_buffers(prefix, recurse, remove_duplicate)
+
+    def state_dict(  # type: ignore[override]
+        self, *args: Any, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, Any]:
+        """This rank's state under the model's own names: sharded parameters (DTensors) and buffers; not collective.
+
+        As FSDP2's. ``full_state_dict()`` gathers whole tensors; ``paro_torch.checkpoint`` (or DCP's
+        ``get_state_dict``) saves and reshards it.
+        """
+        return self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """Every parameter whole (masters in float32 for trainable ones) and every buffer, under its original name.
@@ -612,52 +657,48 @@ class ParoShardedModule(nn.Module):
         Copies: each rank's statistics saw its own batch in the last forward, and rank 0's stand for the model, as
         with DDP's ``broadcast_buffers``. (Parameters are the engine's: not in it.)
         """
-        own = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in self.module.state_dict().items()}
+        own = {k: v.detach().clone() if torch.is_tensor(v) else v
+               for k, v in self.module.state_dict().items() if k not in self._param_names}  # fmt: skip
         _broadcast_from_rank0([v for v in own.values() if torch.is_tensor(v) and v.numel() > 0], self.groups.whole)
         return own
-
-    def state_dict(  # type: ignore[override]
-        self, *args: Any, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False
-    ) -> dict[str, Any]:
-        """The full state dict (see ``full_state_dict``) under ``prefix``, into ``destination``; collective."""
-        out: dict[str, Any] = destination if destination is not None else OrderedDict()
-        for k, v in self.full_state_dict().items():
-            out[prefix + k] = v
-        return out
 
     def load_full_state_dict(
         self, state_dict: dict[str, torch.Tensor], strict: bool = True
     ) -> tuple[list[str], list[str]]:
-        """Loads whole parameters (as ``full_state_dict`` returns them); call on every rank with the same values.
+        """Loads whole parameters and buffers (as ``full_state_dict`` returns them); call on every rank alike.
 
-        Each rank copies the slices it holds, then the parameter shards are synced from the masters. With
-        ``strict=False`` missing parameters keep their values and unknown names are ignored. Returns the
-        missing and the unexpected names.
+        Each rank copies the rows it holds, then the parameters are synced from the masters. DTensor values (a
+        ``state_dict()`` of another layout) are gathered whole first. With ``strict=False`` missing entries keep
+        their values and unknown names are ignored. Returns the missing and the unexpected names.
         """
-        buffers = self._flat_buffers
-        shapes = {s.fqn: s.shape for b in buffers for s in b.slots}
-        aliases = {a[2] for b in buffers for s in b.slots for a in s.aliases}
-        missing = sorted(set(shapes) - set(state_dict))
-        unexpected = sorted(set(state_dict) - set(shapes) - aliases)
-        differ = sorted(k for k in set(shapes) & set(state_dict) if state_dict[k].shape != shapes[k])
+        where = {n: (b, i) for b in self._flat_buffers for i, s in enumerate(b.slots) for n in s.names}
+        shapes = {n: b.slots[i].shape for n, (b, i) in where.items()}
+        own = {k for k in self.module.state_dict() if k not in where}
+        primary = {s.fqn for b in self._flat_buffers for s in b.slots}
+        missing = sorted((primary | own) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(where) - own)
+        differ = sorted(k for k in set(where) & set(state_dict) if tuple(state_dict[k].shape) != tuple(shapes[k]))
         if differ or (strict and (missing or unexpected)):
             raise ValueError(
                 f"state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}, "
                 f"other shapes {differ[:5]}; pass the full_state_dict() of the same model"
             )
-        with torch.no_grad():
-            for b in buffers:
-                held, lo = b.held()
-                for s, start, stop in b.overlaps(lo, lo + held.numel()):
-                    if s.fqn in state_dict:
-                        flat = state_dict[s.fqn].detach().reshape(-1)
-                        held[start - lo : stop - lo].copy_(flat[start - s.offset : stop - s.offset])
-                if b.master is not None:
-                    b.sync_params()
+        todo: dict[FlatBuffer, dict[int, torch.Tensor]] = {b: {} for b in self._flat_buffers}
+        for k in sorted(set(where) & set(state_dict)):
+            v = state_dict[k]
+            b, i = where[k]
+            todo[b][i] = v.full_tensor() if isinstance(v, DTensor) else v
+        for b, values in todo.items():
+            b.load_full(values)
+            if b.trainable:
+                b.sync_params()
+        rest = {k: v for k, v in state_dict.items() if k in own}
+        if rest:
+            self.module.load_state_dict(rest, strict=False)
         return missing, unexpected
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
-        """Loads a full state dict (see ``load_full_state_dict``); ``assign`` is not supported."""
+        """Loads a state dict with the model's own names (see ``load_full_state_dict``); ``assign`` is not supported."""
         if assign:
             raise ValueError("ParoShardedModule.load_state_dict does not support assign=True")
         missing, unexpected = self.load_full_state_dict(dict(state_dict), strict)
@@ -679,30 +720,17 @@ class ParoShardedModule(nn.Module):
             for m, name in [(s.module, s.name), *[(a[0], a[1]) for a in s.aliases]]
         ] if full else []  # fmt: skip
         views = [m.__dict__.pop(name, None) for m, name, _ in places]  # the engine's views (see set_views)
+        shards = [m._parameters[name] for m, name, _ in places]
         params = {fqn: nn.Parameter(full[fqn], requires_grad=False) for _, _, fqn in places}
         for m, name, fqn in places:
             m._parameters[name] = params[fqn]
         try:
             yield full
         finally:
-            for (m, name, _), view in zip(places, views, strict=True):
-                del m._parameters[name]
+            for (m, name, _), view, shard in zip(places, views, shards, strict=True):
+                m._parameters[name] = shard
                 if view is not None:
                     m.__dict__[name] = view
-
-    def named_master_slices(self) -> Iterator[tuple[tuple[str, ...], nn.Parameter, int, int]]:
-        """(names, master, start, stop): where each trainable parameter lies in this rank's master shards.
-
-        ``master`` is one of ``parameters()`` (what the optimizer updates), ``master[start:stop]`` the part of
-        the parameter this rank holds (possibly empty), ``names`` its name and those it is tied under. For
-        per-parameter treatment inside the optimizer's flat shards, e.g. weight decay only on some parameters.
-        """
-        for b in self._flat_buffers:
-            if b.master is None:
-                continue
-            held, lo = b.held()
-            for s, start, stop in b.overlaps(lo, lo + held.numel()):
-                yield (s.fqn, *(a[2] for a in s.aliases)), b.master, start - lo, stop - lo
 
     def comm_bytes(self) -> dict[str, int]:
         """Bytes this rank sent per level ("intra", "inter") in the engine's collectives since the last reset.
@@ -724,18 +752,21 @@ class ParoShardedModule(nn.Module):
             b.rsent.update(intra=0, inter=0)
 
     def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-        """Bytes this rank holds persistently for parameters, gradient accumulators and optimizer states."""
+        """Bytes this rank holds persistently for parameters, gradient accumulators and optimizer states.
+
+        Optimizer states count this rank's chunks (``torch.chunk``'s split gives rank 0 the largest: the cost
+        model's figure); separate float32 masters count with them.
+        """
         params = sum(b.p_shard.numel() * b.p_shard.element_size() for b in self._flat_buffers)
         grads = sum(b.g_acc.numel() * b.g_acc.element_size() for b in self._flat_buffers if b.g_acc is not None)
-        masters = [b.master for b in self._flat_buffers if b.master is not None]
-        optim = 0
-        if self.param_dtype != torch.float32:
-            optim += sum(m.numel() * 4 for m in masters)
+        optim = sum(b.master_bytes() for b in self._flat_buffers)
         if optimizer is not None:
-            for m in masters:
-                for v in optimizer.state.get(m, {}).values():
-                    if torch.is_tensor(v) and v.numel() > 1:
-                        optim += v.numel() * v.element_size()
+            for b in self._flat_buffers:
+                for p in b.params if b.trainable else []:
+                    for name, v in optimizer.state.get(p, {}).items():
+                        local = v.to_local() if isinstance(v, DTensor) else v
+                        if torch.is_tensor(local) and name != "step":
+                            optim += local.numel() * local.element_size()
         return {"params": params, "grads": grads, "optimizer_states": optim}
 
 
@@ -749,6 +780,52 @@ def _broadcast_from_rank0(tensors: list[torch.Tensor], group: dist.ProcessGroup)
         with torch.no_grad():
             for t, v in zip(same, flat.split([t.numel() for t in same]), strict=True):
                 t.copy_(v.view_as(t))
+
+
+def _materialize(members: list[nn.Module], device: torch.device, init_fn: Callable[[nn.Module], None] | None) -> None:
+    """Gives a unit's modules real (uninitialised) tensors for their meta ones, then initialises each module.
+
+    ``init_fn(module)`` (default: its ``reset_parameters()``, where it has one) runs once per module, in order.
+    Tied parameters stay tied.
+    """
+    fresh: dict[int, nn.Parameter] = {}
+    for m in members:
+        for name, p in m._parameters.items():
+            if p is not None and p.is_meta:
+                if id(p) not in fresh:
+                    fresh[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                m._parameters[name] = fresh[id(p)]
+        for name, b in m._buffers.items():
+            if b is not None and b.is_meta:
+                m._buffers[name] = torch.empty_like(b, device=device)
+    for m in members:
+        if init_fn is not None:
+            init_fn(m)
+        elif callable(getattr(m, "reset_parameters", None)):
+            m.reset_parameters()
+
+
+def _mesh(groups: ParoGroups, device_type: str) -> DeviceMesh:
+    """The 2-D mesh (intra, inter): ``mesh[r][k]`` is rank k·m + r, so placements shard by local rank first."""
+    m, g = groups.group_size, groups.num_groups
+    ranks = torch.tensor([[k * m + r for k in range(g)] for r in range(m)], dtype=torch.int64)
+    return DeviceMesh(device_type, ranks, mesh_dim_names=("intra", "inter"))
+
+
+def _cost_blocks(units: list[list[_Entry]], groups: ParoGroups) -> list[dict[str, Any]]:
+    """Each unit's parameter counts and padded buffer sizes per granularity, for the cost model."""
+    out = []
+    for entries in units:
+        unique = list({id(e[3]): e[3] for e in entries}.values())
+        if not unique:
+            continue
+        padded: dict[str, list[int]] = {}
+        for kind, trainable in (("trainable", True), ("frozen", False)):
+            rows = [param_rows(p.shape) for p in unique if p.requires_grad == trainable]
+            padded[kind] = [_C.RowLayout(rows, groups.world, groups.group_size, x).padded for x in (N, I, G)]
+        numel = sum(p.numel() for p in unique)
+        out.append({"numel": numel, "trainable": sum(p.numel() for p in unique if p.requires_grad), "padded": padded})
+    return out
 
 
 def _optimizes(optimizer: torch.optim.Optimizer, master_ids: set[int]) -> bool:

@@ -9,10 +9,10 @@ Usage (launch with ``torchrun``; ``PARO_GROUP_SIZE`` or torchrun's ``LOCAL_WORLD
     trainer.save_model("out")  # on every rank: a full model that from_pretrained loads (PEFT: the adapter)
 
 Everything else comes from ``TrainingArguments`` as usual: ``gradient_accumulation_steps`` (the boundary gradient sync
-runs on the last micro-step only), ``max_grad_norm`` (clipped by the global norm over the sharded master gradients),
+runs on the last micro-step only), ``max_grad_norm`` (``clip_grad_norm_`` over the sharded gradients: the global norm),
 ``bf16`` (``MixedPrecision(param_dtype=torch.bfloat16)``: bf16 compute and communication, float32 masters; no
-autocast), ``optim`` (the default ``adamw_torch_fused`` included), ``learning_rate``, ``weight_decay`` (on the
-parameters ``get_decay_parameter_names`` picks, as ``Trainer`` does), ``activation_checkpointing`` (alias
+autocast), ``optim`` (every torch optimizer; the default ``adamw_torch_fused`` included), ``learning_rate``,
+``weight_decay`` (the Trainer's own param groups), ``activation_checkpointing`` (alias
 ``gradient_checkpointing``; non-reentrant unless ``activation_checkpointing_kwargs`` say otherwise),
 ``lr_scheduler_type``, ``logging_steps``, ``eval_strategy``, ``save_steps`` and ``load_best_model_at_end`` (both need
 ``save_only_model=False``, the default, as resuming does).
@@ -20,24 +20,24 @@ parameters ``get_decay_parameter_names`` picks, as ``Trainer`` does), ``activati
 [Note: ParoTrainer and the Trainer's plumbing]
 - The model is wrapped when the trainer is built, so ``trainer.model`` is the ``ParoShardedModule`` (as the Trainer
   keeps the wrapped model in ``trainer.model`` under FSDP) and ``trainer.model.module`` is the Hugging Face model, whose
-  parameters now live in the engine's flat buffers: call it through ``trainer.model`` only.
+  parameters are now this rank's shards (DTensors, under their own names): call it through ``trainer.model`` only.
 - accelerate must not wrap it again (``prepare`` would add DDP under torchrun, and autocast for bf16): the wrapper is
   marked ``_is_accelerate_prepared``, accelerate's own guard against double wrapping.
 - Activation checkpointing: the Trainer calls ``self.model.activation_checkpointing_enable(...)`` (or the deprecated
   ``gradient_checkpointing_enable``), so the wrapper carries those methods of the Hugging Face model, bound to it. The
   model checkpoints its layers' ``forward`` inside their ``__call__``: the engine's unit hooks stay outside the
   recomputation, which runs after the unit's pre-backward gather.
-- The optimizer is built over ``trainer.model.parameters()``, this rank's shards of the float32 masters. A shard can
-  mix parameters with and without weight decay, so the decay is applied per element before each step (decoupled, as
-  AdamW does), and weight decay needs an AdamW-family optimizer.
+- The optimizer is the Trainer's own (``create_optimizer`` on the Hugging Face model inside): its param groups (weight
+  decay or not, by name) over the sharded parameters, as with FSDP2; gradient clipping is the Trainer's too.
 - Checkpoints: ``checkpoint-N/`` holds what the Trainer writes (the full model as safetensors, ``scheduler.pt``,
   ``trainer_state.json``, one RNG file per rank) and ``checkpoint-N/paro/``, the sharded model and optimizer states
   (``paro_torch.checkpoint``), which also loads into another strategy or world size.
 
-Tested with transformers 5.24.0, accelerate 1.16.0 and peft 0.21.2 (torch 2.15): the overrides below use private
-Trainer methods (``_save``, ``_save_optimizer_and_scheduler``, ``_load_from_checkpoint``,
-``_load_optimizer_and_scheduler``, ``_load_best_model``, ``_clip_grad_norm``, ``_get_grad_norm``), hence the pinned
-range of the ``hf`` extra.
+Tested with transformers 5.24.0, accelerate 1.16.0 and peft 0.21.2 (torch 2.15). Five private Trainer methods are
+overridden, all for checkpoints: ``_save`` (gathers the full model for ``save_pretrained``),
+``_save_optimizer_and_scheduler``, ``_load_from_checkpoint``, ``_load_optimizer_and_scheduler`` and
+``_load_best_model`` (the sharded DCP checkpoint, which reshards on load, instead of one ``optimizer.pt``), hence the
+pinned range of the ``hf`` extra.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class ParoTrainer(Trainer):
     """A ``transformers.Trainer`` that trains its model with PaRO-DP (``ParoShardedModule``).
 
     Takes every argument of ``Trainer`` plus the keyword arguments below; ``optimizers=`` is not accepted (the
-    optimizer must be built over the sharded masters: pass ``optimizer_cls_and_kwargs=`` or ``args.optim``). Building
+    optimizer must be built over the sharded parameters: pass ``optimizer_cls_and_kwargs=`` or ``args.optim``). Building
     it is collective (every rank). Afterwards ``trainer.model`` is the ``ParoShardedModule`` (``.strategy``, ``.plan``)
     and ``trainer.model.module`` the Hugging Face model given, which runs only through ``trainer.model``.
 
@@ -86,8 +86,7 @@ class ParoTrainer(Trainer):
 
     Raises:
         RuntimeError: torch.distributed is not initialized (launch with torchrun).
-        ValueError: a model already wrapped, ``optimizers=`` given, ``fp16`` set, or weight decay with an optimizer
-            that is not AdamW-like.
+        ValueError: a model already wrapped, ``optimizers=`` given, or ``fp16`` set.
     """
 
     def __init__(
@@ -107,7 +106,6 @@ class ParoTrainer(Trainer):
             "memory_budget": memory_budget,
             "calibration": calibration,
         }
-        self._decay_names: set[str] = set()
         model = trainer_kwargs.get("model", trainer_args[0] if trainer_args else None)
         if isinstance(model, ParoShardedModule):
             raise ValueError("pass ParoTrainer the Hugging Face model itself: it wraps it in a ParoShardedModule")
@@ -129,9 +127,7 @@ class ParoTrainer(Trainer):
         if self.args.fp16:
             raise ValueError("ParoTrainer supports bf16 mixed precision (args.bf16=True), not fp16")
         model = self.model
-        # read off the Hugging Face model before its parameters move into flat buffers
-        self._set_signature_columns_if_needed()
-        self._decay_names = set(self.get_decay_parameter_names(model))
+        self._set_signature_columns_if_needed()  # read off the Hugging Face model's forward before wrapping
         opts = dict(self.paro_options)
         if opts["wrap_policy"] is None:
             opts["wrap_policy"] = _no_split_classes(model)
@@ -149,45 +145,15 @@ class ParoTrainer(Trainer):
         return paro
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
-        """The optimizer over this rank's master shards, one param group; weight decay by a per-element mask."""
+        """The Trainer's optimizer, built on the Hugging Face model inside: its sharded parameters, by name."""
         paro = self._wrap_paro()
-        if self.optimizer is not None:
-            return self.optimizer
-        if self.optimizer_cls_and_kwargs is not None:
-            cls, kwargs = self.optimizer_cls_and_kwargs
-        else:
-            cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, paro.module)
-        if {"params", "model", "optimizer_dict"} & set(kwargs):
-            raise ValueError(f"ParoTrainer does not support optim={self.args.optim!r} (it picks parameters itself)")
-        params = [p for p in paro.parameters() if p.requires_grad]
-        optimizer = cls([{"params": params, "weight_decay": 0.0}], **kwargs)
-        if self.args.weight_decay > 0:
-            decoupled = isinstance(optimizer, torch.optim.AdamW) or optimizer.defaults.get("decoupled_weight_decay")
-            if not decoupled:
-                raise ValueError(
-                    f"ParoTrainer applies weight decay as AdamW does (decoupled); {cls.__name__} is not AdamW-like: "
-                    "use an AdamW optimizer or weight_decay=0"
-                )
-            optimizer.register_step_pre_hook(_DecoupledDecay(paro, self._decay_names, self.args.weight_decay))
-        self.optimizer = optimizer
-        return optimizer
+        return super().create_optimizer(paro.module if model is None or model is paro else model)
 
-    # --------------------------------------------------------------------------------- accumulation, clipping
     def training_step(self, model: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
         """One micro-step; the boundary gradient sync runs only when the Trainer steps the optimizer after it."""
         if isinstance(model, ParoShardedModule):
             model.set_requires_gradient_sync(self.accelerator.sync_gradients)
         return super().training_step(model, *args, **kwargs)
-
-    def _clip_grad_norm(self, model: nn.Module) -> Any:
-        if isinstance(model, ParoShardedModule):
-            return model.clip_grad_norm_(self.args.max_grad_norm)
-        return super()._clip_grad_norm(model)
-
-    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
-        if grad_norm is None and isinstance(model, ParoShardedModule):
-            grad_norm = model.clip_grad_norm_(float("inf"))  # the global norm; scales by 1
-        return super()._get_grad_norm(model, grad_norm)
 
     # ---------------------------------------------------------------------------------------- saving, resuming
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
@@ -244,30 +210,6 @@ class ParoTrainer(Trainer):
                 "building the trainer"
             )
         return path
-
-
-class _DecoupledDecay:
-    """Optimizer step pre-hook: ``p *= 1 - lr * weight_decay`` on the runs of the master shards that decay."""
-
-    def __init__(self, model: ParoShardedModule, names: set[str], weight_decay: float) -> None:
-        self.weight_decay = weight_decay
-        self.runs: dict[nn.Parameter, list[tuple[int, int]]] = {}  # per master: [start, stop) runs to decay
-        for fqns, master, start, stop in model.named_master_slices():
-            if stop == start or not names.intersection(fqns):
-                continue
-            runs = self.runs.setdefault(master, [])
-            if runs and runs[-1][1] == start:  # adjacent parameters: one run
-                runs[-1] = (runs[-1][0], stop)
-            else:
-                runs.append((start, stop))
-
-    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        factor = 1 - float(optimizer.param_groups[0]["lr"]) * self.weight_decay
-        with torch.no_grad():
-            for master, runs in self.runs.items():
-                if master.grad is not None:  # as AdamW: parameters without a gradient are not touched
-                    for start, stop in runs:
-                        master[start:stop].mul_(factor)
 
 
 def _no_split_classes(model: nn.Module) -> set[type[nn.Module]] | None:

@@ -36,11 +36,32 @@ def test_group_size_must_divide_world() -> None:
 
 
 def test_nested_layout() -> None:
-    # 2 groups x 2: rank 3 = (group 1, local 1) holds I-shard 6..12 and, inside it, G-shard 9..12
-    assert _C.padded_numel(10, 4) == 12
-    assert _C.shard_range(10, 4, 2, "I", 3) == (6, 12)
-    assert _C.shard_range(10, 4, 2, "G", 3) == (9, 12)
-    assert _C.shard_range(10, 4, 2, "N", 3) == (0, 12)
+    # 9 rows of 3 on 2 x 2: I-chunks 5 + 4 rows, G-chunks 3, 2 | 2, 2 (block r*g + k), as DTensor shards them
+    layout = _C.RowLayout([(9, 3, False), (1, 1, True)], 4, 2, "G")
+    assert (layout.blocks, layout.block_numel, layout.padded) == (4, 10, 40)
+    assert layout.places[0] == (0, 3, [(0, 3), (3, 2), (5, 2), (7, 2)])
+    assert layout.range("I", 3) == (20, 40) and layout.range("G", 3) == (30, 40) and layout.range("N", 3) == (0, 40)
+    assert _C.RowLayout([(10, 1, False)], 4, 2, "N").padded == 12  # one block, padded to a multiple of n
+
+
+@pytest.mark.parametrize(("world", "group_size"), [(4, 2), (6, 3), (8, 2), (8, 4), (3, 1), (5, 5)])
+def test_layout_chunks_are_dtensor_shards(world: int, group_size: int) -> None:
+    """Each block's rows are exactly the local shard DTensor computes for its rank on the (intra, inter) mesh."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    g = world // group_size
+    for granularity, placements in (("I", (Shard(0), Replicate())), ("G", (Shard(0), Shard(0)))):
+        for rows in range(0, 3 * world + 2):
+            layout = _C.RowLayout([(rows, 2, False)], world, group_size, granularity)
+            for r in range(group_size):
+                for k in range(g):
+                    block = r if granularity == "I" else r * g + k
+                    shape, offset = _compute_local_shape_and_global_offset(
+                        (rows, 2), (group_size, g), [r, k], placements
+                    )
+                    start, count = layout.places[0][2][block]
+                    assert count == shape[0] and (count == 0 or start == offset[0]), (granularity, rows, r, k)
 
 
 def test_subgroup_shapes() -> None:

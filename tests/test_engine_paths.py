@@ -23,15 +23,19 @@ CASES = [
     "batchnorm",  # BatchNorm1d in a block and at the root: parameters and running stats (rank 0's)
     "seeds",  # each rank builds the model with its own seed: rank 0's parameters and buffers win
     "param_groups",  # optimizer groups by ParoShardedModule.named_parameters() names
+    "meta",  # built on the meta device, initialised unit by unit by param_init_fn
 ]
 
 
-NOT_YET = pytest.mark.xfail(
-    strict=True, reason="per-parameter shards under the original names: the next step of the engine redesign (#12)"
-)
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=NOT_YET) if c == "param_groups" else c for c in CASES])
+@pytest.mark.parametrize("case", CASES)
 def test_training_path_matches_one_process(case: str) -> None:
     # bounded: an engine whose ranks disagree on collectives hangs (the worker dumps its stacks at 150 s)
     assert_ok(launch("engine_paths.py", 4, env={"PARO_GROUP_SIZE": "2"}, args=(case,), timeout=180))
+
+
+@pytest.mark.parametrize("code", ["GGG", "IIG", "NNG"])
+def test_meta_device_model_wraps_within_shards_plus_a_unit(code: str) -> None:
+    """Peak memory while wrapping a model built on the meta device: the shards plus a few whole units, not the model."""
+    env = {"PARO_GROUP_SIZE": "2", "MALLOC_MMAP_THRESHOLD_": "131072"}  # freed buffers leave the resident set
+    out = assert_ok(launch("engine_meta_memory.py", 4, env=env, args=(code,), timeout=180))
+    print(out)

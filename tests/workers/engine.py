@@ -138,7 +138,7 @@ def check_variant(variant: str, strategies: list[str], groups: ParoGroups) -> No
         # every trainable buffer's boundary sync was queued during backward, not after it
         syncs = STEPS * (ACCUM if variant == "syncall" else 1) * sum(b.trainable for b in model._flat_buffers)
         assert model.overlapped_syncs == syncs, (code, variant, model.overlapped_syncs, syncs)
-        got = model.state_dict()
+        got = model.full_state_dict()
         assert got.keys() == want.keys(), (sorted(got), sorted(want))
         worst = max((got[k].float() - want[k]).abs().max().item() for k in want)
         assert worst < tol, f"{code} ({variant}): parameters differ from single-process training by {worst:.3g}"

@@ -14,13 +14,8 @@ from paro_torch._groups import build_groups
 
 
 def estimate(model: ParoShardedModule, world: int, group_size: int, param_bytes: int) -> dict:
-    blocks = []
-    for unit in model._units:
-        numel = sum(b.numel for b in unit.buffers)
-        trainable = sum(b.numel for b in unit.buffers if b.trainable)
-        blocks.append({"numel": numel, "trainable": trainable})
     request = {
-        "model": {"blocks": blocks},
+        "model": {"blocks": model.cost_blocks},  # sizes and the engine's padded sizes per granularity
         "cluster": {
             "world": world,
             "group_size": group_size,
@@ -83,7 +78,11 @@ def main() -> None:
             got = (mem["params"], mem["grads"], mem["optimizer_states"], intra, inter)
             expected = (want["memory"]["params"], want["memory"]["grads"], want["memory"]["optimizer_states"],
                         want["intra_bytes"], want["inter_bytes"])  # fmt: skip
-            assert got == expected, f"{code} {variant}: measured {got} != cost model {expected}"
+            # torch.chunk gives rank 0 the largest chunk of every parameter: the cost model's figure is rank 0's
+            if rank == 0:
+                assert got == expected, f"{code} {variant}: measured {got} != cost model {expected}"
+            else:
+                assert got[:2] + got[3:] == expected[:2] + expected[3:] and got[2] <= expected[2], (code, got, expected)
             if rank == 0:
                 print(f"{code} {variant}: params/grads/optim/intra/inter = {got}", flush=True)
     dist.destroy_process_group()

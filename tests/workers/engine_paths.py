@@ -4,7 +4,8 @@ Usage: engine_paths.py CASE [STRATEGY ...]; world 4 as 2 groups of 2 (PARO_GROUP
 sgd, adam_l2 (optimizers); skipped_step (a GradScaler-style skipped optimizer step); dropped_equal, dropped_unequal
 (a block unused on one rank for one step); ckpt_nonreentrant_early, ckpt_nonreentrant_late, ckpt_reentrant
 (activation checkpointing); retain_graph; batchnorm (buffers); seeds (ranks built with different seeds);
-param_groups (optimizer groups by the original parameter names).
+param_groups (optimizer groups by the original parameter names); meta (built on the meta device, initialised by
+param_init_fn unit by unit).
 """
 
 import contextlib
@@ -14,6 +15,8 @@ import shutil
 import sys
 import tempfile
 import traceback
+import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -80,11 +83,30 @@ class Tiny(nn.Module):
         return self.head(x)
 
 
-def make(case: str, seed: int = 0) -> Tiny:
+def make(case: str, seed: int = 0, device: str = "cpu") -> Tiny:
+    """The case's model. ``meta``: its modules initialised by ``init_by_name`` (built on ``device``, uninitialised)."""
     torch.manual_seed(seed)
     # dropped_unequal: the skipped block (1) has more parameters than block 0
     hidden = (2 * DIM, 3 * DIM) if case == "dropped_unequal" else (2 * DIM, 2 * DIM)
-    return Tiny(hidden, bn=case == "batchnorm", shift=case == "seeds")
+    with torch.device(device):
+        model = Tiny(hidden, bn=case == "batchnorm", shift=case == "seeds")
+    if case == "meta" and device != "meta":
+        init = init_by_name(model)
+        for m in model.modules():
+            init(m)
+    return model
+
+
+def init_by_name(model: nn.Module) -> Callable[[nn.Module], None]:
+    """Initialises a module by its name's own seed: the same values whatever order modules are initialised in."""
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def init(m: nn.Module) -> None:
+        torch.manual_seed(zlib.crc32(names[id(m)].encode()))
+        if callable(getattr(m, "reset_parameters", None)):
+            m.reset_parameters()
+
+    return init
 
 
 def make_optimizer(case: str, model: nn.Module) -> torch.optim.Optimizer:
@@ -177,9 +199,13 @@ def check_sensitive(case: str, data: list, world: int, ref: Tiny) -> None:
 
 def train_paro(case: str, code: str, data: list, groups: ParoGroups) -> ParoShardedModule:
     rank = dist.get_rank()
-    inner = make(case, seed=rank if case == "seeds" else 0)  # seeds: the engine must take rank 0's values
+    # seeds: the engine must take rank 0's values; meta: it must initialise the model unit by unit
+    inner = make(case, seed=rank if case == "seeds" else 0, device="meta" if case == "meta" else "cpu")
     inner.use_reentrant = CHECKPOINT.get(case)
-    model = ParoShardedModule(inner, code, process_groups=(groups.intra, groups.inter), wrap_policy={Block})
+    init = init_by_name(inner) if case == "meta" else None
+    model = ParoShardedModule(
+        inner, code, process_groups=(groups.intra, groups.inter), wrap_policy={Block}, param_init_fn=init
+    )
     if case == "param_groups":  # the final API: per-parameter shards under the inner module's names
         names = [n for n, _ in model.named_parameters()]
         want = [n for n, _ in make(case).named_parameters()]

@@ -344,6 +344,37 @@ pub fn estimate(req: &Request) -> Result<Report> {
     })
 }
 
+fn level_index(x: Granularity) -> usize {
+    match x {
+        Granularity::N => 0,
+        Granularity::I => 1,
+        Granularity::G => 2,
+    }
+}
+
+/// A block's padded (trainable, frozen) sizes at N, I and G: the engine's when given (checked), else each
+/// buffer padded to a multiple of the world size.
+fn block_sizes(b: &Block, n: u64, m: u64) -> Result<[(u64, u64); 3]> {
+    let Some(p) = b.padded else {
+        let (t, f) = (padded_numel(b.trainable, n)?, padded_numel(b.frozen(), n)?);
+        return Ok([(t, f); 3]);
+    };
+    let mut out = [(0, 0); 3];
+    for (i, degree) in [1, m, n].into_iter().enumerate() {
+        let (t, f) = (p.trainable[i], p.frozen[i]);
+        if t < b.trainable || f < b.frozen() || t % degree != 0 || f % degree != 0 {
+            return Err(ParoError::Invalid(format!(
+                "padded sizes {p:?} do not fit a block of {} trainable and {} frozen parameters (each must be at \
+                 least its count and divisible by 1, m = {m}, n = {n})",
+                b.trainable,
+                b.frozen()
+            )));
+        }
+        out[i] = (t, f);
+    }
+    Ok(out)
+}
+
 /// A buffer of `numel` elements padded up to a multiple of the world size n: ⌈numel/n⌉·n.
 pub fn padded_numel(numel: u64, world: u64) -> Result<u64> {
     if world == 0 {
@@ -496,8 +527,8 @@ struct Context<'a> {
     m: u64,
     g: u64,
     req: &'a Request,
-    /// Padded (trainable, frozen) element counts per block.
-    padded: Vec<(u64, u64)>,
+    /// Padded (trainable, frozen) element counts per block, laid out at N, I and G.
+    padded: Vec<[(u64, u64); 3]>,
     blocks_known: bool,
     activations: u64,
 }
@@ -505,13 +536,10 @@ struct Context<'a> {
 impl<'a> Context<'a> {
     fn new(topo: &Topology, req: &'a Request, model: &Model, activations: u64) -> Result<Self> {
         let n = topo.world as u64;
-        let padded = model
-            .blocks
-            .iter()
-            .map(|b: &Block| Ok((padded_numel(b.trainable, n)?, padded_numel(b.frozen(), n)?)))
-            .collect::<Result<Vec<_>>>()?;
+        let m = topo.group_size as u64;
+        let padded = model.blocks.iter().map(|b| block_sizes(b, n, m)).collect::<Result<Vec<_>>>()?;
         // Checks once that the largest sums fit, so the per-strategy sums below cannot overflow.
-        let total = padded.iter().try_fold(0u64, |acc, &(t, f)| {
+        let total = padded.iter().flatten().try_fold(0u64, |acc, &(t, f)| {
             checked_add(acc, checked_add(t, f, "the padded parameter count")?, "the padded parameter count")
         })?;
         let widest = req.training.param_bytes.max(req.training.grad_bytes).max(req.training.optimizer_bytes).max(4);
@@ -529,6 +557,12 @@ impl<'a> Context<'a> {
 
     fn degree(&self, x: Granularity) -> u64 {
         x.degree(self.m as usize, self.n as usize) as u64
+    }
+
+    /// Padded (trainable, frozen) sizes per block under `s`: the engine lays a trainable buffer out at os (its
+    /// finest granularity) and a frozen one at p.
+    fn sizes(&self, s: Strategy) -> Vec<(u64, u64)> {
+        self.padded.iter().map(|b| (b[level_index(s.os)].0, b[level_index(s.p)].1)).collect()
     }
 
     fn estimate(&self, s: Strategy) -> Result<StrategyEstimate> {
@@ -567,14 +601,20 @@ impl<'a> Context<'a> {
         let t = &self.req.training;
         let w = "the memory per rank";
         let (dp, dg, dos) = (self.degree(s.p), self.degree(s.g), self.degree(s.os));
-        let all: u64 = self.padded.iter().map(|&(tr, fr)| tr + fr).sum();
-        let trainable: u64 = self.padded.iter().map(|&(tr, _)| tr).sum();
-        let params = checked_mul(all / dp, t.param_bytes, w)?;
+        let padded = self.sizes(s);
+        let all: u64 = padded.iter().map(|&(tr, fr)| tr + fr).sum();
+        let trainable: u64 = padded.iter().map(|&(tr, _)| tr).sum();
+        // with p = N the parameters stay in their natural layout (unpadded: the N-level size)
+        let held = if s.p == Granularity::N { self.padded.iter().map(|b| b[0].0 + b[0].1).sum() } else { all };
+        let params = checked_mul(held / dp, t.param_bytes, w)?;
         let grads = checked_mul(trainable / dg, t.grad_bytes, w)?;
-        let optimizer_states = checked_mul(trainable / dos, t.optimizer_bytes, w)?;
+        // fp32 masters share the parameters' storage, except where p = N keeps the parameters in their natural
+        // layout and os is sharded: then the masters are a copy of their own (4 bytes per element).
+        let masters = if t.param_bytes >= 4 && s.p == Granularity::N && s.os != Granularity::N { 4 } else { 0 };
+        let optimizer_states = checked_mul(trainable / dos, t.optimizer_bytes + masters, w)?;
         let model_states = checked_add(checked_add(params, grads, w)?, optimizer_states, w)?;
         let gathered_params = if s.p != Granularity::N && self.blocks_known {
-            let mut sizes: Vec<u64> = self.padded.iter().map(|&(tr, fr)| tr + fr).collect();
+            let mut sizes: Vec<u64> = padded.iter().map(|&(tr, fr)| tr + fr).collect();
             sizes.sort_unstable_by(|a, b| b.cmp(a));
             let held: u64 = sizes.iter().take(t.prefetch as usize).sum();
             checked_mul(held, t.param_bytes, w)?
@@ -582,7 +622,7 @@ impl<'a> Context<'a> {
             0
         };
         let unsharded_grads = if s.g != Granularity::N && self.blocks_known {
-            let largest = self.padded.iter().map(|&(tr, _)| tr).max().unwrap_or(0);
+            let largest = padded.iter().map(|&(tr, _)| tr).max().unwrap_or(0);
             checked_mul(largest, t.grad_bytes, w)?
         } else {
             0
@@ -611,7 +651,7 @@ impl<'a> Context<'a> {
         let w = "the bytes of a buffer";
         let gathers_per_step = checked_mul(2, t.grad_accum, w)?;
         let level_of = |x: Granularity| if x == I { Level::Intra } else { Level::Global };
-        for &(tr, fr) in &self.padded {
+        for (tr, fr) in self.sizes(s) {
             // Parameters: all-gather every buffer (trainable and frozen) before forward and before backward.
             if s.p != N {
                 for numel in [tr, fr].into_iter().filter(|&x| x > 0) {
@@ -973,7 +1013,7 @@ mod tests {
 
     fn blocks(b: &[(u64, u64)]) -> ModelSpec {
         ModelSpec {
-            blocks: Some(b.iter().map(|&(numel, trainable)| Block { numel, trainable }).collect()),
+            blocks: Some(b.iter().map(|&(numel, trainable)| Block { numel, trainable, padded: None }).collect()),
             ..ModelSpec::default()
         }
     }

@@ -1,9 +1,14 @@
-//! Nested shard layout: every flat buffer is padded to a multiple of the world size n, and
-//! G-shard ⊂ I-shard ⊂ buffer on every rank, so N↔I is an intra-group collective and I↔G an
-//! inter-group one among same-local-rank peers (paro-spec §3).
+//! Per-parameter shard layout (paro-spec §3, nested): each parameter is split along its first dimension
+//! (rows) the way `torch.chunk` splits it, first into m I-chunks by local rank r, then each I-chunk into g
+//! G-chunks by group k, so the G-chunk of rank (k, r) nests in its I-chunk. These are exactly the local
+//! shards of a DTensor with placements `(Shard(0), Shard(0))` on the (intra, inter) mesh (or
+//! `(Shard(0), Replicate())` for I), so an optimizer sees each parameter's shard under its own name.
 //!
-//! Rank (k, r) — group k, local rank r — holds I-shard r = `[r·P/m, (r+1)·P/m)` and G-shard
-//! `[r·P/m + k·P/n, r·P/m + (k+1)·P/n)`, i.e. global block index r·g + k.
+//! For communication the parameters of one unit are packed into one flat buffer of equal *blocks*, one per
+//! shard at the buffer's finest granularity (1 for N, m for I, n for G, block r·g + k for G): inside a block
+//! each parameter has a slot of the largest chunk's rows, holding its chunk's rows first and padding after.
+//! At N the one block is padded to a multiple of n. Rank (k, r) then holds block(s) `[r·n/m + ...]` contiguously at every coarser granularity, so N↔I is one
+//! intra-group collective and I↔G one inter-group collective on the same flat buffer.
 
 use std::ops::Range;
 
@@ -13,112 +18,108 @@ use crate::error::{ParoError, Result};
 use crate::strategy::Granularity;
 use crate::topology::Topology;
 
-/// `numel` rounded up to a multiple of the world size.
-pub fn padded_numel(numel: u64, world: usize) -> u64 {
-    let n = world as u64;
-    numel.div_ceil(n) * n
-}
-
-/// The shards of one flat buffer of `numel` elements over a topology.
+/// One parameter as the layout sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ShardLayout {
-    /// Elements that carry data.
-    pub numel: u64,
-    /// `numel` padded to a multiple of the world size.
-    pub padded: u64,
-    /// The world as groups.
-    pub topology: Topology,
+pub struct ParamRows {
+    /// Size of the first dimension (1 for a 0-dimensional parameter).
+    pub rows: u64,
+    /// Elements per row (the product of the other dimensions).
+    pub row_numel: u64,
+    /// Held whole by every block instead of split (0-dimensional parameters, which have no rows to split).
+    pub replicated: bool,
 }
 
-impl ShardLayout {
-    /// Lays out a buffer of `numel` elements.
-    pub fn new(numel: u64, topology: Topology) -> Self {
-        ShardLayout { numel, padded: padded_numel(numel, topology.world), topology }
-    }
-
-    /// Elements per shard at a granularity (the whole padded buffer for N).
-    pub fn shard_numel(&self, gran: Granularity) -> u64 {
-        self.padded / gran.degree(self.topology.group_size, self.topology.world) as u64
-    }
-
-    /// The range of the padded buffer that `rank` holds at a granularity.
-    pub fn shard_range(&self, gran: Granularity, rank: usize) -> Range<u64> {
-        let t = &self.topology;
-        let (k, r) = (t.group_of(rank) as u64, t.local_rank(rank) as u64);
-        let i_len = self.shard_numel(Granularity::I);
-        let g_len = self.shard_numel(Granularity::G);
-        match gran {
-            Granularity::N => 0..self.padded,
-            Granularity::I => r * i_len..(r + 1) * i_len,
-            Granularity::G => {
-                let start = r * i_len + k * g_len;
-                start..start + g_len
-            }
-        }
-    }
-
-    /// Position of `rank`'s G-shard among the n G-shards of the buffer (r·g + k).
-    pub fn g_block_index(&self, rank: usize) -> usize {
-        let t = &self.topology;
-        t.local_rank(rank) * t.num_groups() + t.group_of(rank)
-    }
-}
-
-/// Where part of one parameter lies inside one shard.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Piece {
-    /// Index of the parameter in the buffer.
-    pub param: usize,
-    /// Offset inside the (flattened) parameter.
-    pub param_offset: u64,
-    /// Offset inside the shard.
-    pub shard_offset: u64,
-    /// Number of elements.
-    pub numel: u64,
-}
-
-/// Several parameters packed back to back in one flat buffer, and their shards.
+/// Where one parameter lies in every block.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct FlatLayout {
-    /// Offset of each parameter in the buffer.
-    pub offsets: Vec<u64>,
-    /// Element count of each parameter.
-    pub numels: Vec<u64>,
-    /// The buffer's shards.
-    pub shards: ShardLayout,
+pub struct ParamPlace {
+    /// Offset of the parameter's slot inside a block, in elements.
+    pub offset: u64,
+    /// Rows of the slot (the largest chunk); the chunk's rows come first, padding after.
+    pub slot_rows: u64,
+    /// `(first row, rows)` of the parameter held by each block, in block order.
+    pub chunks: Vec<(u64, u64)>,
 }
 
-impl FlatLayout {
-    /// Packs parameters of the given element counts.
-    pub fn new(numels: &[u64], topology: Topology) -> Result<Self> {
-        let mut offsets = Vec::with_capacity(numels.len());
-        let mut total: u64 = 0;
-        for &n in numels {
-            offsets.push(total);
-            total = total
-                .checked_add(n)
-                .ok_or_else(|| ParoError::Invalid("flat buffer larger than 2^64 elements".into()))?;
+/// The parameters of one flat buffer laid out in equal blocks at one granularity.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RowLayout {
+    /// The granularity of the blocks.
+    pub granularity: Granularity,
+    /// Number of blocks: 1 (N), m (I) or n (G).
+    pub blocks: usize,
+    /// Elements per block.
+    pub block_numel: u64,
+    /// Each parameter's place, in the order given.
+    pub params: Vec<ParamPlace>,
+    topology: Topology,
+}
+
+/// `torch.chunk`'s split of `len` rows into `parts`: the `(offset, rows)` of chunk `index` (empty past the end).
+pub fn chunk(len: u64, parts: u64, index: u64) -> (u64, u64) {
+    let size = len.div_ceil(parts.max(1));
+    let start = (size * index).min(len);
+    (start, (start + size).min(len) - start)
+}
+
+impl RowLayout {
+    /// Lays out `params` in blocks of granularity `granularity` over `topology`.
+    pub fn new(params: &[ParamRows], granularity: Granularity, topology: Topology) -> Result<Self> {
+        let (m, g) = (topology.group_size as u64, topology.num_groups() as u64);
+        let blocks = granularity.degree(topology.group_size, topology.world);
+        let overflow = || ParoError::Invalid("a flat buffer larger than 2^64 elements".into());
+        let mut offset: u64 = 0;
+        let mut places = Vec::with_capacity(params.len());
+        for p in params {
+            let chunks: Vec<(u64, u64)> = (0..blocks as u64)
+                .map(|b| match (granularity, p.replicated) {
+                    (Granularity::N, _) | (_, true) => (0, p.rows),
+                    (Granularity::I, false) => chunk(p.rows, m, b),
+                    (Granularity::G, false) => {
+                        let (r, k) = (b / g, b % g);
+                        let (start, len) = chunk(p.rows, m, r);
+                        let (sub, rows) = chunk(len, g, k);
+                        (start + sub, rows)
+                    }
+                })
+                .collect();
+            let slot_rows = chunks.iter().map(|c| c.1).max().unwrap_or(0);
+            places.push(ParamPlace { offset, slot_rows, chunks });
+            let numel = slot_rows.checked_mul(p.row_numel).ok_or_else(overflow)?;
+            offset = offset.checked_add(numel).ok_or_else(overflow)?;
         }
-        Ok(FlatLayout { offsets, numels: numels.to_vec(), shards: ShardLayout::new(total, topology) })
+        if granularity == Granularity::N {
+            // one block, padded to a multiple of n so that it can be reduce-scattered at either level
+            let n = topology.world as u64;
+            offset = offset.div_ceil(n).checked_mul(n).ok_or_else(overflow)?;
+        }
+        offset.checked_mul(blocks as u64).ok_or_else(overflow)?;
+        Ok(RowLayout { granularity, blocks, block_numel: offset, params: places, topology })
     }
 
-    /// The parts of parameters that fall into `rank`'s shard at a granularity, in buffer order.
-    pub fn pieces(&self, gran: Granularity, rank: usize) -> Vec<Piece> {
-        let range = self.shards.shard_range(gran, rank);
-        let mut out = Vec::new();
-        for (param, (&off, &n)) in self.offsets.iter().zip(&self.numels).enumerate() {
-            let start = off.max(range.start);
-            let end = (off + n).min(range.end);
-            if start < end {
-                out.push(Piece {
-                    param,
-                    param_offset: start - off,
-                    shard_offset: start - range.start,
-                    numel: end - start,
-                });
-            }
+    /// Elements of the whole buffer, padding included.
+    pub fn padded(&self) -> u64 {
+        self.block_numel * self.blocks as u64
+    }
+
+    /// The elements of the whole buffer that `rank` holds at `gran` (one of the layout's granularity or
+    /// coarser): all blocks for N, its group's share of blocks for I, its own block for G.
+    pub fn range(&self, gran: Granularity, rank: usize) -> Result<Range<u64>> {
+        let t = &self.topology;
+        let (n, m) = (t.world, t.group_size);
+        if gran.degree(m, n) > self.blocks {
+            return Err(ParoError::Invalid(format!(
+                "a buffer laid out at {:?} has no {gran:?} shards",
+                self.granularity
+            )));
         }
-        out
+        let per = self.blocks / gran.degree(m, n);
+        let first = match gran {
+            Granularity::N => 0,
+            Granularity::I => t.local_rank(rank) * per,
+            Granularity::G => t.local_rank(rank) * t.num_groups() + t.group_of(rank),
+        };
+        let b = self.block_numel;
+        Ok(first as u64 * b..(first + per) as u64 * b)
     }
 }
 
@@ -127,86 +128,61 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    fn rows(r: u64, c: u64) -> ParamRows {
+        ParamRows { rows: r, row_numel: c, replicated: false }
+    }
+
     #[test]
     fn example_2x2() {
         let t = Topology::new(4, 2).unwrap();
-        let l = ShardLayout::new(10, t);
-        assert_eq!(l.padded, 12);
-        assert_eq!(l.shard_range(Granularity::I, 3), 6..12);
-        // rank 3 = (k=1, r=1): I-shard 6..12, G-shard is its second half
-        assert_eq!(l.shard_range(Granularity::G, 3), 9..12);
-        assert_eq!(l.shard_range(Granularity::G, 1), 6..9);
-        assert_eq!(l.g_block_index(1), 2);
-        let f = FlatLayout::new(&[3, 4, 3], t).unwrap();
-        assert_eq!(f.pieces(Granularity::G, 2), vec![Piece { param: 1, param_offset: 0, shard_offset: 0, numel: 3 }]);
-        assert_eq!(
-            f.pieces(Granularity::I, 0),
-            vec![
-                Piece { param: 0, param_offset: 0, shard_offset: 0, numel: 3 },
-                Piece { param: 1, param_offset: 0, shard_offset: 3, numel: 3 }
-            ]
-        );
+        // 9 rows: I-chunks 5 + 4; G-chunks (3, 2) and (2, 2), as DTensor's (Shard(0), Shard(0))
+        let l = RowLayout::new(&[rows(9, 3), ParamRows { rows: 1, row_numel: 1, replicated: true }], Granularity::G, t)
+            .unwrap();
+        assert_eq!(l.params[0].chunks, vec![(0, 3), (3, 2), (5, 2), (7, 2)]);
+        assert_eq!(l.params[0].slot_rows, 3);
+        assert_eq!(l.params[1], ParamPlace { offset: 9, slot_rows: 1, chunks: vec![(0, 1); 4] });
+        assert_eq!(l.block_numel, 10);
+        // rank 1 = (k=0, r=1) holds block 2 at G and blocks 2..4 at I
+        assert_eq!(l.range(Granularity::G, 1).unwrap(), 20..30);
+        assert_eq!(l.range(Granularity::I, 1).unwrap(), 20..40);
+        assert_eq!(l.range(Granularity::N, 1).unwrap(), 0..40);
+        let i = RowLayout::new(&[rows(9, 3)], Granularity::I, t).unwrap();
+        assert_eq!(i.params[0].chunks, vec![(0, 5), (5, 4)]);
+        assert!(i.range(Granularity::G, 0).is_err());
+        assert_eq!(chunk(3, 4, 3), (3, 0), "torch.chunk leaves the last chunks empty");
     }
 
     fn topo() -> impl Strategy<Value = Topology> {
-        (1usize..=6, 1usize..=6).prop_map(|(g, m)| Topology::new(g * m, m).unwrap())
+        (1usize..=5, 1usize..=5).prop_map(|(g, m)| Topology::new(g * m, m).unwrap())
     }
 
     proptest! {
         #[test]
-        fn shards_tile_and_nest(numel in 0u64..500, t in topo()) {
-            let l = ShardLayout::new(numel, t);
-            prop_assert!(l.padded >= numel && l.padded.is_multiple_of(t.world as u64) && l.padded - numel < t.world as u64);
-            for gran in Granularity::ALL {
-                // the shards of one replica tile the buffer: collect the ranges of ranks that hold distinct shards
-                let holders: Vec<usize> = match gran {
-                    Granularity::N => vec![0],
-                    Granularity::I => t.intra_ranks(0),
-                    Granularity::G => (0..t.world).collect(),
-                };
-                let mut ranges: Vec<Range<u64>> = holders.iter().map(|&r| l.shard_range(gran, r)).collect();
-                ranges.sort_by_key(|r| r.start);
+        fn chunks_tile_rows_and_nest(shapes in proptest::collection::vec((0u64..30, 1u64..4), 0..5), t in topo()) {
+            let params: Vec<ParamRows> = shapes.iter().map(|&(r, c)| rows(r, c)).collect();
+            let gl = RowLayout::new(&params, Granularity::G, t).unwrap();
+            let il = RowLayout::new(&params, Granularity::I, t).unwrap();
+            for (p, place) in params.iter().zip(&gl.params) {
+                // in block order the chunks cover the rows once, in order
                 let mut next = 0;
-                for r in &ranges {
-                    prop_assert_eq!(r.start, next);
-                    prop_assert_eq!(r.end - r.start, l.shard_numel(gran));
-                    next = r.end;
+                for &(start, len) in &place.chunks {
+                    prop_assert!(len <= place.slot_rows);
+                    if len > 0 { prop_assert_eq!(start, next); }
+                    next += len;
                 }
-                prop_assert_eq!(next, l.padded);
+                prop_assert_eq!(next, p.rows);
             }
             for rank in 0..t.world {
-                let gs = l.shard_range(Granularity::G, rank);
-                let is = l.shard_range(Granularity::I, rank);
-                prop_assert!(is.start <= gs.start && gs.end <= is.end, "G-shard nests in I-shard");
-                prop_assert_eq!(gs.start, l.g_block_index(rank) as u64 * l.shard_numel(Granularity::G));
-                // I-shards are replicated across groups: same local rank, same range
-                for peer in t.inter_ranks(rank) {
-                    prop_assert_eq!(l.shard_range(Granularity::I, peer), is.clone());
+                // the G-chunks of the blocks rank holds at I make up its I-chunk
+                let r = t.local_rank(rank);
+                let range = gl.range(Granularity::I, rank).unwrap();
+                let (b0, b1) = ((range.start / gl.block_numel.max(1)) as usize, (range.end / gl.block_numel.max(1)) as usize);
+                for (gp, ip) in gl.params.iter().zip(&il.params) {
+                    let rows: u64 = if gl.block_numel == 0 { 0 } else { gp.chunks[b0..b1].iter().map(|c| c.1).sum() };
+                    if gl.block_numel > 0 { prop_assert_eq!(rows, ip.chunks[r].1); }
                 }
-            }
-        }
-
-        #[test]
-        fn pieces_cover_every_element_once(numels in proptest::collection::vec(0u64..40, 0..6), t in topo()) {
-            let f = FlatLayout::new(&numels, t).unwrap();
-            for gran in Granularity::ALL {
-                let mut seen: Vec<Vec<u32>> = numels.iter().map(|&n| vec![0; n as usize]).collect();
-                let holders: Vec<usize> = match gran {
-                    Granularity::N => vec![0],
-                    Granularity::I => t.intra_ranks(0),
-                    Granularity::G => (0..t.world).collect(),
-                };
-                for rank in holders {
-                    let range = f.shards.shard_range(gran, rank);
-                    for p in f.pieces(gran, rank) {
-                        prop_assert!(p.shard_offset + p.numel <= range.end - range.start);
-                        prop_assert_eq!(f.offsets[p.param] + p.param_offset, range.start + p.shard_offset);
-                        for i in 0..p.numel {
-                            seen[p.param][(p.param_offset + i) as usize] += 1;
-                        }
-                    }
-                }
-                prop_assert!(seen.iter().all(|s| s.iter().all(|&c| c == 1)));
+                let g = gl.range(Granularity::G, rank).unwrap();
+                prop_assert!(range.start <= g.start && g.end <= range.end, "G nests in I");
             }
         }
     }

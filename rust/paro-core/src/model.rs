@@ -13,6 +13,20 @@ pub struct Block {
     pub numel: u64,
     /// How many of them are trainable (at most `numel`); the rest are frozen.
     pub trainable: u64,
+    /// The engine's padded buffer sizes, when it knows the parameters' shapes (see `layout::RowLayout`);
+    /// without them each buffer counts as padded to a multiple of the world size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub padded: Option<Padded>,
+}
+
+/// Padded element counts of a block's trainable and frozen buffers laid out at N, I and G (in that order).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Padded {
+    /// The trainable buffer at N, I, G.
+    pub trainable: [u64; 3],
+    /// The frozen buffer at N, I, G.
+    pub frozen: [u64; 3],
 }
 
 impl Block {
@@ -319,7 +333,8 @@ impl ModelSpec {
             }
         };
         let shares = distribute(&numels, total_trainable)?;
-        let blocks = numels.iter().zip(shares).map(|(&numel, trainable)| Block { numel, trainable }).collect();
+        let blocks =
+            numels.iter().zip(shares).map(|(&numel, trainable)| Block { numel, trainable, padded: None }).collect();
         Ok(Model { blocks, shape, blocks_known })
     }
 }
@@ -453,7 +468,7 @@ mod tests {
     fn resolve_forms() {
         let m =
             ModelSpec { params: Some(1000), ..Default::default() }.resolve(Some(Trainable::Fraction(0.003))).unwrap();
-        assert_eq!(m.blocks, vec![Block { numel: 1000, trainable: 3 }]);
+        assert_eq!(m.blocks, vec![Block { numel: 1000, trainable: 3, padded: None }]);
         assert!(!m.blocks_known);
         let m = ModelSpec { params: Some(10), num_blocks: Some(3), ..Default::default() }
             .resolve(Some(Trainable::Count(4)))
@@ -482,11 +497,16 @@ mod tests {
         assert!(zero.resolve(None).is_err());
         let blocks = |b: Vec<Block>| ModelSpec { blocks: Some(b), ..Default::default() };
         assert!(blocks(vec![]).resolve(None).is_err());
-        assert!(blocks(vec![Block { numel: 0, trainable: 0 }]).resolve(None).is_err());
-        assert!(blocks(vec![Block { numel: 2, trainable: 3 }]).resolve(None).is_err());
-        assert!(blocks(vec![Block { numel: 2, trainable: 1 }]).resolve(Some(Trainable::Count(1))).is_err());
-        assert!(blocks(vec![Block { numel: u64::MAX, trainable: 0 }, Block { numel: 1, trainable: 0 }])
-            .resolve(None)
+        assert!(blocks(vec![Block { numel: 0, trainable: 0, padded: None }]).resolve(None).is_err());
+        assert!(blocks(vec![Block { numel: 2, trainable: 3, padded: None }]).resolve(None).is_err());
+        assert!(blocks(vec![Block { numel: 2, trainable: 1, padded: None }])
+            .resolve(Some(Trainable::Count(1)))
             .is_err());
+        assert!(blocks(vec![
+            Block { numel: u64::MAX, trainable: 0, padded: None },
+            Block { numel: 1, trainable: 0, padded: None }
+        ])
+        .resolve(None)
+        .is_err());
     }
 }

@@ -106,19 +106,53 @@ fn subgroup_shape(global_ranks: Vec<usize>, group_size: usize) -> PyResult<(Opti
     Ok((s.topology.map(|t| (t.world, t.group_size)), s.flat_reason))
 }
 
-/// `numel` rounded up to a multiple of `world`.
-#[pyfunction]
-fn padded_numel(numel: u64, world: usize) -> u64 {
-    layout::padded_numel(numel, world)
-}
+/// The per-parameter shard layout of one flat buffer (see paro-core's `layout`): blocks of equal size at
+/// one granularity, each parameter's rows split as `torch.chunk` (and DTensor's `Shard(0)`) split them.
+#[pyclass(module = "paro_torch._C", name = "RowLayout", frozen)]
+struct PyRowLayout(layout::RowLayout);
 
-/// `(start, end)` of the padded flat buffer that `rank` holds at granularity "N", "I" or "G".
-#[pyfunction]
-fn shard_range(numel: u64, world: usize, group_size: usize, granularity: &str, rank: usize) -> PyResult<(u64, u64)> {
-    let t = Topology::new(world, group_size).map_err(to_py)?;
-    t.check_rank(rank).map_err(to_py)?;
-    let r = layout::ShardLayout::new(numel, t).shard_range(gran(granularity)?, rank);
-    Ok((r.start, r.end))
+#[pymethods]
+impl PyRowLayout {
+    /// `params`: `(rows, row_numel, replicated)` per parameter; `granularity`: "N", "I" or "G".
+    #[new]
+    fn new(params: Vec<(u64, u64, bool)>, world: usize, group_size: usize, granularity: &str) -> PyResult<Self> {
+        let t = Topology::new(world, group_size).map_err(to_py)?;
+        let rows: Vec<layout::ParamRows> = params
+            .into_iter()
+            .map(|(rows, row_numel, replicated)| layout::ParamRows { rows, row_numel, replicated })
+            .collect();
+        layout::RowLayout::new(&rows, gran(granularity)?, t).map(PyRowLayout).map_err(to_py)
+    }
+
+    /// Number of blocks.
+    #[getter]
+    fn blocks(&self) -> usize {
+        self.0.blocks
+    }
+
+    /// Elements per block.
+    #[getter]
+    fn block_numel(&self) -> u64 {
+        self.0.block_numel
+    }
+
+    /// Elements of the whole buffer, padding included.
+    #[getter]
+    fn padded(&self) -> u64 {
+        self.0.padded()
+    }
+
+    /// `(offset in a block, slot rows, [(first row, rows) per block])` per parameter.
+    #[getter]
+    fn places(&self) -> Vec<(u64, u64, Vec<(u64, u64)>)> {
+        self.0.params.iter().map(|p| (p.offset, p.slot_rows, p.chunks.clone())).collect()
+    }
+
+    /// `(start, end)` of the whole buffer that `rank` holds at `granularity`.
+    fn range(&self, granularity: &str, rank: usize) -> PyResult<(u64, u64)> {
+        let r = self.0.range(gran(granularity)?, rank).map_err(to_py)?;
+        Ok((r.start, r.end))
+    }
 }
 
 /// The plan one rank runs for a collective, as JSON (for inspection and tests).
@@ -223,8 +257,7 @@ fn _C(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ALIASES", aliases)?;
     m.add_function(wrap_pyfunction!(check_topology, m)?)?;
     m.add_function(wrap_pyfunction!(subgroup_shape, m)?)?;
-    m.add_function(wrap_pyfunction!(padded_numel, m)?)?;
-    m.add_function(wrap_pyfunction!(shard_range, m)?)?;
+    m.add_class::<PyRowLayout>()?;
     m.add_function(wrap_pyfunction!(describe_plan, m)?)?;
     m.add_function(wrap_pyfunction!(estimate, m)?)?;
     m.add_function(wrap_pyfunction!(create_backend, m)?)?;
