@@ -165,7 +165,6 @@ class System:
         from paro_torch.auto import LinkCalibration, choose_strategy, default_memory_budget, measure_links
 
         unit = decoder_layer_class()
-        blocks = unit_blocks(model, unit)
         wrapped = ParoShardedModule(model, option, wrap_policy={unit}, grad_accum=self.accum)
         self.optimizer = torch.optim.AdamW(wrapped.parameters(), lr=self.lr)
         # The cost model's view of every strategy with the calibrated link figures (what `auto` weighs). For an
@@ -173,12 +172,12 @@ class System:
         path = os.environ.get("PARO_CALIBRATION")
         links = LinkCalibration.load(path) if path else measure_links(wrapped.groups)
         _, report = choose_strategy(
-            blocks,
+            wrapped.cost_blocks,
             wrapped.groups,
             links=links,
             memory_budget=default_memory_budget(wrapped.groups.group_size),
             grad_accum=self.accum,
-            param_bytes=4,
+            sizes=wrapped.precision.bytes(),
         )
         mine = next(s for s in report["strategies"] if s["code"] == wrapped.strategy.code)
         self.extra["strategy"] = wrapped.strategy.code

@@ -10,7 +10,6 @@ import torch  # noqa: F401  (loads libtorch before the extension that links it)
 from paro_torch import _C  # noqa: F401  (the compiled core)
 from paro_torch._backend import CommStats, ParoBackendOptions, comm_stats, register, reset_comm_stats
 from paro_torch._C import ALIASES, STRATEGIES, InvalidStrategyError, Strategy, TopologyError
-from paro_torch.api import MixedPrecision
 from paro_torch.auto import LinkCalibration, calibrate
 from paro_torch.sharded_module import ParoShardedModule
 
@@ -22,7 +21,6 @@ __all__ = [
     "CommStats",
     "InvalidStrategyError",
     "LinkCalibration",
-    "MixedPrecision",
     "ParoBackendOptions",
     "ParoShardedModule",
     "Strategy",

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from paro_torch import _C
 from paro_torch._groups import ParoGroups
+from paro_torch.api import Precision, divide_factors
 
 N, I, G = "N", "I", "G"  # noqa: E741  (the paper's granularity letters)
 
@@ -115,7 +116,7 @@ class FlatBuffer:
         groups: ParoGroups,
         mesh: DeviceMesh,
         trainable: bool,
-        param_dtype: torch.dtype,
+        precision: Precision,
         on_grad_ready: Callable[[FlatBuffer, torch.Tensor], None] | None = None,
         reduce_groups: ParoGroups | None = None,
         device: torch.device | None = None,
@@ -132,7 +133,9 @@ class FlatBuffer:
         self.groups = groups
         self.mesh = mesh
         self.trainable = trainable
-        self.param_dtype = param_dtype
+        self.precision = precision
+        self.param_dtype = param_dtype = precision.param
+        self._pre, self._post = divide_factors(groups.world)
         self.device = device if device is not None else torch.device("cpu")
         self.level = strategy.os if trainable else strategy.p
         self.layout = _C.RowLayout([param_rows(s.shape) for s in slots],
@@ -166,8 +169,8 @@ class FlatBuffer:
             else:
                 self._master_region = self.to_blocks(natural.float())[lo:hi].clone()
             g_lo, g_hi = self.range(strategy.g)
-            # gradients are reduced and accumulated in the compute dtype (2 bytes for bf16, as in paro-spec §1)
-            self.g_acc = torch.zeros(g_hi - g_lo, dtype=param_dtype, device=self.device)
+            # gradients accumulate across micro-steps in float32 (or reduce_dtype, where the user set one)
+            self.g_acc = torch.zeros(g_hi - g_lo, dtype=precision.accumulate, device=self.device)
             if strategy.p == N:
                 self.p_shard.requires_grad_(True)
                 self.p_shard.register_post_accumulate_grad_hook(self._on_grad)
@@ -311,12 +314,15 @@ class FlatBuffer:
         it on its communication thread, so it overlaps the backward of the units before this one.
         """
         assert self.g_acc is not None
-        x = self.to_blocks(grad.to(self.g_acc.dtype) / self.groups.world)  # pre-divide: sums stay in range (fp16)
-        if self.strategy.g != N:
-            x = _reduce_scatter(x.contiguous(), self.rgroups.intra, self.rsent, "intra")
+        if self.strategy.g == N:  # reduced at the boundary only (sync_grad)
+            self.g_acc.add_(self.to_blocks(grad))
+            return
+        # in reduce_dtype, divided by n in two factors around the sums (as FSDP), so fp16 neither over- nor underflows
+        x = self.to_blocks(grad.to(self.precision.reduce) / self._pre)
+        x = _reduce_scatter(x, self.rgroups.intra, self.rsent, "intra")
         if self.strategy.g == G:
             x = _reduce_scatter(x, self.rgroups.inter, self.rsent, "inter")
-        self.g_acc.add_(x)
+        self.g_acc.add_(x / self._post)
 
     def sync_grad(self) -> bool:
         """Accumulation boundary: bring the accumulated gradients (already means over ranks) to os's layout.
@@ -325,7 +331,9 @@ class FlatBuffer:
         """
         assert self.g_acc is not None
         s, groups = self.strategy, self.rgroups
-        x = self.g_acc
+        x = self.g_acc.to(self.precision.reduce)  # collectives in reduce_dtype
+        if s.g == N:  # local sums: the division by n, as in reduce
+            x = x / self._pre
         if s.g == N:
             x = _reduce_scatter(x, groups.intra, self.rsent, "intra")
         if s.g in (N, I):  # partial sums across groups
@@ -339,6 +347,8 @@ class FlatBuffer:
             full = torch.empty(self.padded, dtype=x.dtype, device=self.device)
             _all_gather(full, x, groups.intra, self.rsent, "intra")
             x = full
+        if s.g == N:
+            x = x / self._post
         region = x.to(torch.float32, copy=True)
         created = all(p.grad is None for p in self.params)
         for p, local in zip(self.params, self._locals(region), strict=True):

@@ -110,7 +110,7 @@ def choose_strategy(
     links: LinkCalibration,
     memory_budget: int,
     grad_accum: int,
-    param_bytes: int,
+    sizes: dict[str, int],
     only: str | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """Rank 0 asks the cost model for the fastest strategy that fits; every rank gets the same answer.
@@ -131,12 +131,7 @@ def choose_strategy(
             "inter_latency": links.inter_latency,
             "memory_bytes": memory_budget,
         },
-        "training": {
-            "grad_accum": grad_accum,
-            "param_bytes": param_bytes,
-            "grad_bytes": param_bytes,
-            "optimizer_bytes": 8 if param_bytes == 4 else 12,
-        },
+        "training": {"grad_accum": grad_accum, **sizes},
         "collectives": "hierarchical",
     }
     if only is not None:

@@ -26,8 +26,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils._pytree import tree_map_only
 
 from paro_torch import _C
 from paro_torch._agree import raise_together
@@ -35,7 +37,7 @@ from paro_torch._backend import check_node_layout, resolve_group_size
 from paro_torch._flat import FlatBuffer, G, I, N, ParamSlot, param_rows
 from paro_torch._groups import ParoGroups, build_groups, twin_groups
 from paro_torch._report import format_report
-from paro_torch.api import MixedPrecision
+from paro_torch.api import Precision
 from paro_torch.auto import LinkCalibration, choose_strategy, default_memory_budget, measure_links
 
 logger = logging.getLogger("paro_torch")
@@ -132,7 +134,9 @@ class _Unit:
         """
         for b in self.buffers:
             b.unshard()
-            for slot, view in zip(b.slots, b.views(), strict=False):
+            with torch.enable_grad():  # views that require grad, also when made inside backward (recomputation)
+                views = b.views()
+            for slot, view in zip(b.slots, views, strict=False):
                 for module, name in [(slot.module, slot.name), *[(a[0], a[1]) for a in slot.aliases]]:
                     module.__dict__[name] = view
 
@@ -161,8 +165,10 @@ class ParoShardedModule(nn.Module):
         process_groups: An ``(intra, inter)`` pair of process groups instead of ``group_size``.
         device_mesh: A 2-D mesh (inter, intra) instead of ``group_size``.
         wrap_policy: Module classes (or a predicate) whose instances become units, each with its own buffers.
-        mixed_precision: Low-precision parameters and gradients for compute and communication (e.g.
-            ``MixedPrecision(param_dtype=torch.bfloat16)``); masters and optimizer states stay float32.
+        mixed_precision: FSDP2's ``MixedPrecisionPolicy``: ``param_dtype`` for compute and gathers,
+            ``reduce_dtype`` (default ``param_dtype``) for gradient collectives, ``output_dtype`` for the outputs,
+            ``cast_forward_inputs``. Gradients accumulate in float32 (in ``reduce_dtype`` where it is set); masters
+            and optimizer states stay float32.
         memory_budget: Bytes per rank for model states (auto, and a check for an explicit strategy);
             default: the GPU's free memory, or the host's memory shared by one group's ranks.
         grad_accum: Micro-steps per optimizer step, for the cost model.
@@ -190,7 +196,7 @@ class ParoShardedModule(nn.Module):
         process_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None,
         device_mesh: DeviceMesh | None = None,
         wrap_policy: WrapPolicy = None,
-        mixed_precision: MixedPrecision | None = None,
+        mixed_precision: MixedPrecisionPolicy | None = None,
         memory_budget: int | None = None,
         grad_accum: int = 1,
         calibration: LinkCalibration | str | None = None,
@@ -200,7 +206,8 @@ class ParoShardedModule(nn.Module):
         param_init_fn: Callable[[nn.Module], None] | None = None,
     ) -> None:
         super().__init__()
-        param_dtype = mixed_precision.param_dtype if mixed_precision is not None else torch.float32
+        self.precision = Precision.of(mixed_precision)
+        param_dtype = self.precision.param
         m = _requested_group_size(group_size, process_groups, device_mesh)
         auto = strategy.strip().lower() == "auto"
         parsed = _validate_everywhere(module, strategy, m, param_dtype)
@@ -225,7 +232,7 @@ class ParoShardedModule(nn.Module):
                 links=links,
                 memory_budget=budget,
                 grad_accum=grad_accum,
-                param_bytes=param_dtype.itemsize,
+                sizes=self.precision.bytes(),
                 only=None if auto else parsed.code if parsed else None,
             )
             if auto and self.groups.rank == 0:
@@ -304,7 +311,7 @@ class ParoShardedModule(nn.Module):
         self._step_hook = register_optimizer_step_post_hook(after_step)
         for u in self._units:
             if u.module is not module:
-                u.module.register_forward_pre_hook(self._make_pre_forward(u), prepend=True)
+                u.module.register_forward_pre_hook(self._make_pre_forward(u), prepend=True, with_kwargs=True)
                 u.module.register_forward_hook(self._make_post_forward(u))
 
     # ------------------------------------------------------------------------------------------ construction
@@ -342,7 +349,7 @@ class ParoShardedModule(nn.Module):
                         slots.append(first[id(p)])
                         values.append(p.detach())
                         offset += p.numel()
-                buffer = FlatBuffer(slots, values, self.strategy, self.groups, self.mesh, trainable, self.param_dtype,
+                buffer = FlatBuffer(slots, values, self.strategy, self.groups, self.mesh, trainable, self.precision,
                                     self._grad_ready, reduce_groups=self._rgroups, device=self.device)  # fmt: skip
                 for slot, param in zip(slots, buffer.params, strict=True):
                     for m, name in [(slot.module, slot.name), *[(a[0], a[1]) for a in slot.aliases]]:
@@ -404,18 +411,22 @@ class ParoShardedModule(nn.Module):
         self._gathered.clear()
         self._begin_pass([])
 
-    def _make_pre_forward(self, unit: _Unit) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
-            if self._in_autograd():  # recomputation: unshard if needed, no prefetch, stay unsharded
-                self._unshard_for_backward(unit, prefetch=False)
-                if torch.is_grad_enabled():  # reentrant checkpointing ran forward without grad: views anew
-                    unit.set_views()
-                return
-            unit.state = TrainingState.FORWARD
-            self._acquire(unit)
-            unit.set_views()
+    def _make_pre_forward(self, unit: _Unit) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
+            self._unit_pre_forward(unit)
+            return _cast_floats((args, kwargs), self.precision.param) if self.precision.cast_inputs else None
 
         return hook
+
+    def _unit_pre_forward(self, unit: _Unit) -> None:
+        if self._in_autograd():  # recomputation: unshard if needed, no prefetch, stay unsharded
+            self._unshard_for_backward(unit, prefetch=False)
+            if torch.is_grad_enabled():  # the resharded unit's attributes fell back to the shards: views anew
+                unit.set_views()
+            return
+        unit.state = TrainingState.FORWARD
+        self._acquire(unit)
+        unit.set_views()
 
     def _make_post_forward(self, unit: _Unit) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
@@ -455,6 +466,9 @@ class ParoShardedModule(nn.Module):
             return
         unit.state = TrainingState.PRE_BACKWARD
         self._acquire(unit, prefetch)
+        # a recomputation inside the unit's own __call__ (Hugging Face's checkpointed layers) passes no hook of
+        # ours: the modules must see whole parameters again before it
+        unit.set_views()
 
     def _start_backward(self) -> None:
         """At the first hook of a backward: agree on the units it gathers, queue the end-of-backward callback."""
@@ -572,7 +586,11 @@ class ParoShardedModule(nn.Module):
         self._acquire(root)
         root.set_views()
         try:
+            if self.precision.cast_inputs:
+                args, kwargs = _cast_floats((args, kwargs), self.precision.param)
             out = self.module(*args, **kwargs)
+            if self.precision.output is not None:
+                out = _cast_floats(out, self.precision.output)
         finally:
             self._end_pass()
         if self.strategy.p != N:
@@ -809,7 +827,9 @@ def _mesh(groups: ParoGroups, device_type: str) -> DeviceMesh:
     """The 2-D mesh (intra, inter): ``mesh[r][k]`` is rank k·m + r, so placements shard by local rank first."""
     m, g = groups.group_size, groups.num_groups
     ranks = torch.tensor([[k * m + r for k in range(g)] for r in range(m)], dtype=torch.int64)
-    return DeviceMesh(device_type, ranks, mesh_dim_names=("intra", "inter"))
+    mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("intra", "inter"))
+    mesh._flatten("paro_world")  # DTensor reduces over both dimensions at once with it (e.g. a global norm)
+    return mesh
 
 
 def _cost_blocks(units: list[list[_Entry]], groups: ParoGroups) -> list[dict[str, Any]]:
@@ -826,6 +846,11 @@ def _cost_blocks(units: list[list[_Entry]], groups: ParoGroups) -> list[dict[str
         numel = sum(p.numel() for p in unique)
         out.append({"numel": numel, "trainable": sum(p.numel() for p in unique if p.requires_grad), "padded": padded})
     return out
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    """The tree with its floating-point tensors cast to ``dtype`` (as FSDP2 casts inputs and outputs)."""
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
 def _optimizes(optimizer: torch.optim.Optimizer, master_ids: set[int]) -> bool:

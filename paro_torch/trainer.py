@@ -9,13 +9,13 @@ Usage (launch with ``torchrun``; ``PARO_GROUP_SIZE`` or torchrun's ``LOCAL_WORLD
     trainer.save_model("out")  # on every rank: a full model that from_pretrained loads (PEFT: the adapter)
 
 Everything else comes from ``TrainingArguments`` as usual: ``gradient_accumulation_steps`` (the boundary gradient sync
-runs on the last micro-step only), ``max_grad_norm`` (``clip_grad_norm_`` over the sharded gradients: the global norm),
-``bf16`` (``MixedPrecision(param_dtype=torch.bfloat16)``: bf16 compute and communication, float32 masters; no
-autocast), ``optim`` (every torch optimizer; the default ``adamw_torch_fused`` included), ``learning_rate``,
-``weight_decay`` (the Trainer's own param groups), ``activation_checkpointing`` (alias
-``gradient_checkpointing``; non-reentrant unless ``activation_checkpointing_kwargs`` say otherwise),
-``lr_scheduler_type``, ``logging_steps``, ``eval_strategy``, ``save_steps`` and ``load_best_model_at_end`` (both need
-``save_only_model=False``, the default, as resuming does).
+runs on the last micro-step only), ``max_grad_norm`` (``clip_grad_norm_`` over the sharded gradients: the global
+norm), ``bf16`` (``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``: bf16 compute and communication, gradients
+accumulated in float32, float32 masters; no autocast), ``optim`` (every torch optimizer; the default
+``adamw_torch_fused`` included), ``learning_rate``, ``weight_decay`` (the Trainer's own param groups),
+``activation_checkpointing`` (alias ``gradient_checkpointing``; non-reentrant unless ``activation_checkpointing_kwargs``
+say otherwise), ``lr_scheduler_type``, ``logging_steps``, ``eval_strategy``, ``save_steps`` and
+``load_best_model_at_end`` (both need ``save_only_model=False``, the default, as resuming does).
 
 [Note: ParoTrainer and the Trainer's plumbing]
 - The model is wrapped when the trainer is built, so ``trainer.model`` is the ``ParoShardedModule`` (as the Trainer
@@ -48,10 +48,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME
 
-from paro_torch.api import MixedPrecision
 from paro_torch.checkpoint import load_checkpoint, save_checkpoint
 from paro_torch.sharded_module import ParoShardedModule, WrapPolicy
 
@@ -131,7 +131,7 @@ class ParoTrainer(Trainer):
         opts = dict(self.paro_options)
         if opts["wrap_policy"] is None:
             opts["wrap_policy"] = _no_split_classes(model)
-        mp = MixedPrecision(param_dtype=torch.bfloat16) if self.args.bf16 else None
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if self.args.bf16 else None
         paro = ParoShardedModule(
             model, opts.pop("strategy"), mixed_precision=mp, grad_accum=self.args.gradient_accumulation_steps, **opts
         )

@@ -65,8 +65,8 @@ def test_auto_strategy_with_bf16_and_tied_embeddings(torchrun_output: str) -> No
 
 
 def test_trainer_defaults_fused_adamw_and_activation_checkpointing(torchrun_output: str) -> None:
-    """The Trainer's default optimizer (fused AdamW), weight decay 0 and max_grad_norm 1.0, in "auto" and IIG with
-    activation checkpointing (recomputing) and in NNG without: losses, grad norms, learning rates and parameters equal
+    """The Trainer's default optimizer (fused AdamW), weight decay 0 and max_grad_norm 1.0, in "auto", IIG and NNG with
+    activation checkpointing (recomputing) and in GGG without: losses, grad norms, learning rates and parameters equal
     one process (1e-5), where one stale parameter sync would leave them off by more than 1e-3."""
     _check(torchrun_output, "defaults")
 

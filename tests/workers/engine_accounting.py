@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from engine import ACCUM, BATCH, SEQ, VOCAB, Block, loss_fn, make
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import paro_torch
 from paro_torch import ParoShardedModule
@@ -25,12 +26,7 @@ def estimate(model: ParoShardedModule, world: int, group_size: int, param_bytes:
             "inter_latency": 0,
             "memory_bytes": 10**12,
         },  # fmt: skip
-        "training": {
-            "grad_accum": ACCUM,
-            "param_bytes": param_bytes,
-            "grad_bytes": param_bytes,
-            "optimizer_bytes": 8 if param_bytes == 4 else 12,
-        },  # fmt: skip
+        "training": {"grad_accum": ACCUM, **model.precision.bytes()},
         "collectives": "hierarchical",
         "strategies": [model.strategy.code],
     }
@@ -60,7 +56,7 @@ def main() -> None:
         for code in paro_torch.STRATEGIES:
             model = ParoShardedModule(make(variant if variant != "bf16" else "plain"), code,
                                       process_groups=(groups.intra, groups.inter), wrap_policy={Block},
-                                      mixed_precision=paro_torch.MixedPrecision(param_dtype=dtype))  # fmt: skip
+                                      mixed_precision=MixedPrecisionPolicy(param_dtype=dtype))  # fmt: skip
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             step(model, opt, rank)  # warm-up: creates optimizer states
             # both sets of the engine's groups (gathers, reductions): the paro backend measures their bytes

@@ -55,14 +55,14 @@ def peak_growth(device: str, code: str) -> tuple[int, int]:
 
 def main() -> None:
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     code = sys.argv[1]
     ParoShardedModule(nn.Linear(4, 4), code)  # warm-up: the first groups and meshes allocate once
     unit = WIDTH * WIDTH * 4
     meta, shards = peak_growth("meta", code)
     whole, _ = peak_growth("cpu", code)
-    print(f"rank {rank} {code}: peak growth {meta / MB:.1f} MB from meta, {whole / MB:.1f} MB from a CPU model; "
-          f"shards {shards / MB:.1f} MB, one unit {unit / MB:.1f} MB, the model {BLOCKS * unit / MB:.1f} MB", flush=True)  # fmt: skip
+    sizes = f"shards {shards / MB:.1f} MB, one unit {unit / MB:.1f} MB, the model {BLOCKS * unit / MB:.1f} MB"
+    print(f"rank {rank} {code}: peak {meta / MB:.1f} MB from meta, {whole / MB:.1f} MB from a CPU model; {sizes}")
     assert whole >= BLOCKS * unit, "the CPU-built model must show in the measurement"
     # transient per unit: its materialised parameters, their packed copy and the blocked buffer
     assert meta <= shards + 4 * unit, f"{code}: wrapping a meta model peaked at {meta / MB:.1f} MB"

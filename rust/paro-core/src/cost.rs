@@ -75,8 +75,11 @@ pub struct Training {
     pub activation_checkpointing: bool,
     /// Bytes per parameter element as stored and communicated (2 for bf16).
     pub param_bytes: u64,
-    /// Bytes per gradient element as stored and communicated (2 for bf16).
+    /// Bytes per gradient element as accumulated across micro-steps (2 for bf16).
     pub grad_bytes: u64,
+    /// Bytes per gradient element in reductions; default `grad_bytes`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reduce_bytes: Option<u64>,
     /// Optimizer-state bytes per trainable parameter, K (12: fp32 master + Adam m and v).
     pub optimizer_bytes: u64,
     /// Number of blocks whose gathered parameters are held at once (current + prefetched).
@@ -92,6 +95,7 @@ impl Default for Training {
             activation_checkpointing: true,
             param_bytes: 2,
             grad_bytes: 2,
+            reduce_bytes: None,
             optimizer_bytes: 12,
             prefetch: 2,
         }
@@ -409,6 +413,7 @@ fn validate_training(t: &Training) -> Result<()> {
         ("seq_len", t.seq_len),
         ("param_bytes", t.param_bytes),
         ("grad_bytes", t.grad_bytes),
+        ("reduce_bytes", t.reduce_bytes.unwrap_or(t.grad_bytes)),
         ("prefetch", t.prefetch),
     ] {
         if v == 0 {
@@ -662,7 +667,7 @@ impl<'a> Context<'a> {
             if tr == 0 {
                 continue;
             }
-            let grad = checked_mul(tr, t.grad_bytes, w)?;
+            let grad = checked_mul(tr, t.reduce_bytes.unwrap_or(t.grad_bytes), w)?;
             let param = checked_mul(tr, t.param_bytes, w)?;
             // Gradients: reduce-scatter every micro-step to the g layout.
             if s.g != N {
