@@ -152,7 +152,7 @@ class FlatBuffer:
         self.p_lo, self.p_hi = self.range(strategy.p)
         # p-shard: the persistent parameter storage (the whole natural layout when p = N)
         if strategy.p == N:
-            self.p_shard = natural.to(param_dtype, copy=True)
+            self.p_shard = natural.to(param_dtype)
         else:
             self.p_shard = self.to_blocks(natural.to(param_dtype))[self.p_lo : self.p_hi].clone()
         self.full: torch.Tensor | None = self.p_shard if strategy.p == N else None

@@ -30,6 +30,7 @@ from paro_torch._agree import raise_together
 from paro_torch.sharded_module import ParoShardedModule
 
 MARKER = "paro.json"
+EXTRA = "extra.pt"
 FORMAT = 2
 
 
@@ -75,12 +76,17 @@ def _check_optimizer(model: ParoShardedModule, optimizer: torch.optim.Optimizer)
 
 
 def save_checkpoint(
-    path: str | os.PathLike[str], model: ParoShardedModule, optimizer: torch.optim.Optimizer | None = None
+    path: str | os.PathLike[str],
+    model: ParoShardedModule,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> None:
     """Saves the model's parameters (and the optimizer's state) as a sharded DCP checkpoint; call on every rank.
 
     Each rank writes only what it holds; the checkpoint loads into any strategy and world size
-    (``load_checkpoint``). ``path`` is a directory on a file system every rank can reach.
+    (``load_checkpoint``). ``path`` is a directory on a file system every rank can reach. ``extra``: rank 0's
+    other training state (a trainer's loops, schedulers), saved with ``torch.save`` inside the same atomic save
+    (``read_extra``).
     """
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
@@ -109,6 +115,8 @@ def save_checkpoint(
             "params": {k: list(p.shape) for k, p in _params(model).items()},
             "buffers": sorted(saved_buffers),
         }
+        if extra is not None:
+            torch.save(extra, partial / EXTRA)
         (partial / MARKER).write_text(json.dumps(marker, indent=1))
         old = path.with_name(path.name + ".old")
         if path.exists():
@@ -159,6 +167,14 @@ def load_checkpoint(
         for b in model._flat_buffers:
             if b.trainable:
                 b.sync_params()
+
+
+def read_extra(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``extra`` state saved with a checkpoint (empty if none was); a complete checkpoint only."""
+    path = Path(path)
+    _read_marker(path)
+    file = path / EXTRA
+    return torch.load(file, weights_only=False) if file.is_file() else {}
 
 
 def _read_marker(path: Path) -> dict[str, Any]:

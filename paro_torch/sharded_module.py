@@ -213,7 +213,15 @@ class ParoShardedModule(nn.Module):
         parsed = _validate_everywhere(module, strategy, m, param_dtype)
         self.groups: ParoGroups = build_groups(m, process_groups, device_mesh)
         self.param_dtype = param_dtype
-        self.module = module
+        # [Note: a transparent wrapper] The wrapper shares the module's children, parameters and buffers (their
+        # dicts), so that names, traversal and state dicts are the module's own, as after FSDP2's fully_shard:
+        # named_parameters() and DCP's get_state_dict see "layers.0.weight", not "module.layers.0.weight". The
+        # module itself is an attribute, not a child.
+        self.__dict__["module"] = module
+        self.__dict__["_modules"] = module._modules
+        self.__dict__["_parameters"] = module._parameters
+        self.__dict__["_buffers"] = module._buffers
+        self.__dict__["_non_persistent_buffers_set"] = module._non_persistent_buffers_set
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         assignments = _assign_units(module, wrap_policy)
         self.cost_blocks = _cost_blocks([a[1] for a in assignments], self.groups)
@@ -626,17 +634,25 @@ class ParoShardedModule(nn.Module):
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     # ------------------------------------------------------------------------------- names and state dicts
-    def named_parameters(  # type: ignore[override]
-        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, nn.Parameter]]:
-        """The wrapped module's parameters under their own names: this rank's shards, as DTensors."""
-        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+    def __getattr__(self, name: str) -> Any:
+        """Attributes of the wrapped module (``model.config``, ``model.layers``), as FSDP1's wrapper forwards them.
 
-    def named_buffers(  # type: ignore[override]
-        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The wrapped module's buffers under their own names."""
-        return self.module.named_buffers(prefix, recurse, remove_duplicate)
+        With ``named_parameters()`` under the inner module's names, this lets name-based tools (DCP's
+        ``get_state_dict``) walk from the wrapper to each parameter.
+        """
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("module")
+            if inner is None:
+                raise
+            return getattr(inner, name)
+
+    def train(self, mode: bool = True) -> ParoShardedModule:
+        """Sets training mode on the wrapped module too (it is not a child: see [Note: a transparent wrapper])."""
+        super().train(mode)
+        self.module.train(mode)
+        return self
 
     def state_dict(  # type: ignore[override]
         self, *args: Any, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False
@@ -705,7 +721,12 @@ class ParoShardedModule(nn.Module):
         for k in sorted(set(where) & set(state_dict)):
             v = state_dict[k]
             b, i = where[k]
-            todo[b][i] = v.full_tensor() if isinstance(v, DTensor) else v
+            mine = b.params[i]
+            if isinstance(v, DTensor) and v.placements == mine.placements and v.device_mesh == mine.device_mesh:
+                with torch.no_grad():  # this rank's shard already (e.g. from set_state_dict): no gather
+                    mine.to_local().copy_(v.to_local())
+            else:
+                todo[b][i] = v.full_tensor() if isinstance(v, DTensor) else v
         for b, values in todo.items():
             b.load_full(values)
             if b.trainable:

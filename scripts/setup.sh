@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Installs what paro-torch needs (torch only if missing; the hf extra for the examples and the Trainer) and builds it
-# in place.
+# Installs what paro-torch needs (torch only if missing; the hf and lightning extras for the examples, ParoTrainer and
+# ParoStrategy) and builds it in place.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -12,4 +12,4 @@ $PY -m pip install -q 'maturin>=1.9,<2' 'pytest>=8' 'pytest-timeout>=2' 'ruff>=0
 command -v cargo >/dev/null || { echo "paro-torch needs a Rust toolchain (https://rustup.rs)"; exit 1; }
 echo "== building paro-torch (Rust + C++ backend; 2-3 minutes from clean)"
 PATH="$($PY -c 'import sys, os; print(os.path.dirname(sys.executable))'):$PATH" \
-  $PY -m pip install -q --no-build-isolation -e ".[hf]"  # hf: transformers, accelerate, peft (tested versions)
+  $PY -m pip install -q --no-build-isolation -e ".[hf,lightning]"  # the tested transformers, accelerate, peft, lightning

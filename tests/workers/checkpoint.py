@@ -6,6 +6,8 @@ Usage: checkpoint.py PHASE DIR [STRATEGY]
   interrupt:  save DIR/interrupted (complete), then save over it with rank 1 dying midway
   verify:     (1 rank) DIR/interrupted still loads as the first save; DIR/interrupted.partial and an
               incompatible model fail with clear errors
+  dcp-save, dcp-load: as train-save and load-train, through torch's own API (get_state_dict, dcp.save/load,
+              set_state_dict) into DIR/dcp; write DIR/final-dcp-<world>.pt
 """
 
 import datetime
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from engine import SEQ, VOCAB, Block, loss_fn, make
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from paro_torch import ParoShardedModule
 from paro_torch.checkpoint import export_safetensors, load_checkpoint, save_checkpoint
@@ -63,6 +66,20 @@ def main() -> None:
         save_checkpoint(out / f"resaved-{world}", model, opt)
         train(model, opt, STEPS)
         write_final(model, out)
+    elif phase in ("dcp-save", "dcp-load"):
+        if phase == "dcp-save":
+            train(model, opt, 0)
+        model_sd, optim_sd = get_state_dict(model, opt)  # DTensors under the model's own names
+        state = {"model": model_sd, "optim": optim_sd}
+        if phase == "dcp-save":
+            dcp.save(state, checkpoint_id=out / "dcp")
+        else:
+            dcp.load(state, checkpoint_id=out / "dcp")
+            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        train(model, opt, STEPS)
+        full = model.full_state_dict()
+        if dist.get_rank() == 0:
+            torch.save(full, out / f"final-dcp-{world}.pt")
     elif phase == "interrupt":
         train(model, opt, 0)
         save_checkpoint(out / "interrupted", model, opt)

@@ -1,0 +1,211 @@
+"""``ParoStrategy``: PaRO-DP as a PyTorch Lightning strategy, ``L.Trainer(strategy="paro")``.
+
+Usage (``pip install "paro-torch[lightning]"``; importing this module registers the strategy names)::
+
+    import lightning as L
+    import paro_torch.lightning  # registers "paro" (auto) and "paro_<code>" ("paro_IIG", "paro_zero3", ...)
+
+    trainer = L.Trainer(accelerator="cpu", devices=4, strategy="paro")  # or ParoStrategy("IIG", group_size=2)
+    trainer.fit(module)  # the LightningModule is unchanged
+
+The strategy is Lightning's DDP strategy with the model wrapped in a ``ParoShardedModule`` instead of
+``DistributedDataParallel``: process groups, launching, ``barrier``/``broadcast``/``reduce`` and the training loop are
+Lightning's. ``configure_optimizers`` runs after wrapping, so the optimizer gets this rank's shards (DTensors under the
+module's own names: param groups work as written); gradient clipping (``gradient_clip_val``) is torch's
+``clip_grad_norm_``, the global norm over the shards; accumulation steps (``accumulate_grad_batches``) skip the gradient
+sync (``no_sync``). Precision: ``"bf16-mixed"`` autocasts over float32 parameters as usual; ``"bf16-true"`` becomes
+``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` (bf16 compute and communication, float32 masters), unless
+``mixed_precision=`` is given. A module built under ``trainer.init_module(empty_init=True)`` lives on the meta device
+and is initialised unit by unit while it is sharded.
+
+Checkpoints (``trainer.save_checkpoint``, ``ModelCheckpoint``, ``fit(ckpt_path=...)``) are the project's sharded DCP
+checkpoints (``paro_torch.checkpoint``): a directory with the model, its buffers and the optimizer's state, which loads
+into another strategy, group size or world size, plus Lightning's own state (loops, schedulers, callbacks) written by
+rank 0 inside the same atomic save. ``strategy.save_consolidated(path)`` writes the whole model as one safetensors file
+for inference. Tested with lightning 2.6.6 (the ``lightning`` extra pins it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+from lightning.pytorch.plugins.precision import HalfPrecision
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from paro_torch import _C
+from paro_torch import checkpoint as sharded
+from paro_torch.sharded_module import ParoShardedModule, WrapPolicy
+
+
+class ParoStrategy(DDPStrategy):
+    """Lightning's DDP strategy with PaRO-DP (``ParoShardedModule``) in place of ``DistributedDataParallel``.
+
+    Args:
+        strategy: A code ("IIG"), an alias ("zero3", "hsdp") or "auto" (the cost model's fastest strategy that fits,
+            given ``accumulate_grad_batches``).
+        group_size: Ranks per group; default PARO_GROUP_SIZE, else the ranks per node.
+        wrap_policy: Module classes (or a predicate) whose instances become communication units.
+        mixed_precision: A ``MixedPrecisionPolicy``; default from the Trainer's precision (see the module notes).
+        memory_budget: Bytes per rank for model states (``auto``, and a check otherwise).
+        calibration: Link figures for ``auto`` (a ``LinkCalibration`` or a JSON path).
+        **kwargs: Lightning's DDP strategy arguments (``accelerator``, ``parallel_devices``, ``cluster_environment``,
+            ``checkpoint_io``, ``precision_plugin``, ``process_group_backend``, ``timeout``, ``start_method``).
+
+    Raises:
+        InvalidStrategyError: an unknown or eliminated strategy code, on every rank, when the strategy is built.
+    """
+
+    strategy_name = "paro"
+
+    def __init__(
+        self,
+        strategy: str = "auto",
+        *,
+        group_size: int | None = None,
+        wrap_policy: WrapPolicy = None,
+        mixed_precision: MixedPrecisionPolicy | None = None,
+        memory_budget: int | None = None,
+        calibration: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if strategy.strip().lower() != "auto":
+            _C.Strategy(strategy)  # an unknown code fails here, on every rank, before any process group exists
+        if group_size is not None and group_size < 1:
+            raise ValueError(f"group_size must be a positive number of ranks, not {group_size}")
+        super().__init__(**kwargs)
+        self.paro_strategy = strategy
+        self._paro_options: dict[str, Any] = {
+            "group_size": group_size,
+            "wrap_policy": wrap_policy,
+            "memory_budget": memory_budget,
+            "calibration": calibration,
+        }
+        self._mixed_precision = mixed_precision
+
+    # ------------------------------------------------------------------------------------------------ wrapping
+    def _setup_model(self, model: nn.Module) -> ParoShardedModule:  # type: ignore[override]
+        """Wraps the LightningModule (collective); Lightning builds the optimizers afterwards."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        accum = trainer.accumulate_grad_batches if trainer is not None else 1
+        return ParoShardedModule(
+            model,
+            self.paro_strategy,
+            mixed_precision=self._policy(),
+            grad_accum=accum,
+            device=self.root_device,
+            **self._paro_options,
+        )
+
+    def _policy(self) -> MixedPrecisionPolicy | None:
+        if self._mixed_precision is not None:
+            return self._mixed_precision
+        plugin = self.precision_plugin
+        if isinstance(plugin, HalfPrecision) and plugin._desired_input_dtype != torch.float32:
+            return MixedPrecisionPolicy(param_dtype=plugin._desired_input_dtype)
+        return None
+
+    def _register_ddp_hooks(self) -> None:
+        """DDP communication hooks do not apply: the engine runs its own collectives."""
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Accumulation micro-steps: no gradient sync until the step's last backward (``no_sync``)."""
+        if isinstance(self.model, ParoShardedModule):
+            with self.model.no_sync():
+                yield
+        else:
+            yield
+
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``empty_init=True``: the module is built on the meta device and initialised unit by unit when wrapped."""
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
+    # -------------------------------------------------------------------------------------------- checkpoints
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Checkpoints load into the wrapped model and the optimizer built over its shards."""
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        """The optimizer's state loads with the model (``load_checkpoint``), resharded."""
+        return False
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Empty: the model goes into the sharded checkpoint in ``save_checkpoint``."""
+        return {}
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Empty: the optimizer's state goes into the sharded checkpoint in ``save_checkpoint``."""
+        return {}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Writes a sharded checkpoint directory at ``filepath``; collective (Lightning calls it on every rank)."""
+        if storage_options is not None:
+            raise TypeError("ParoStrategy.save_checkpoint(..., storage_options=...) is not supported")
+        path = Path(self.broadcast(str(filepath)))
+        checkpoint = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        sharded.save_checkpoint(path, self._paro_model(), self._optimizer(), extra=checkpoint)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Loads model and optimizer state from a ``save_checkpoint`` directory; returns Lightning's state."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        fitting = self.lightning_module is not None and self.lightning_module.trainer.training
+        sharded.load_checkpoint(path, self._paro_model(), self._optimizer() if fitting else None)
+        return sharded.read_extra(path)
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Nothing: ``load_checkpoint`` loaded the model."""
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Nothing: ``load_checkpoint`` loaded the optimizer's state."""
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Deletes a checkpoint directory (rank 0)."""
+        if self.is_global_zero:
+            shutil.rmtree(filepath, ignore_errors=True)
+
+    def save_consolidated(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
+        """Writes the whole model (float32 masters, or ``dtype``) as one safetensors file on rank 0; collective."""
+        sharded.export_safetensors(self._paro_model(), path, dtype)
+
+    def _paro_model(self) -> ParoShardedModule:
+        if not isinstance(self.model, ParoShardedModule):
+            raise RuntimeError("ParoStrategy: the model is not wrapped yet (checkpoints need trainer.fit's setup)")
+        return self.model
+
+    def _optimizer(self) -> torch.optim.Optimizer | None:
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        if len(optimizers) > 1:
+            raise ValueError(
+                f"ParoStrategy checkpoints hold one optimizer; configure_optimizers returned {len(optimizers)}"
+            )
+        return optimizers[0] if optimizers else None
+
+
+def _register() -> None:
+    """Registers "paro" (auto) and "paro_<code>" for every strategy code and alias, once."""
+    # Lightning lowercases the name it is given ("paro_IIG" -> "paro_iig")
+    codes = [*_C.STRATEGIES, *(alias for alias, _ in _C.ALIASES)]
+    names = {"paro": "auto"} | {f"paro_{c.lower()}": c for c in codes}
+    for name, code in names.items():
+        if name not in StrategyRegistry:
+            StrategyRegistry.register(name, ParoStrategy, description=f"PaRO-DP, strategy {code}")
+            # set apart: register()'s own second parameter is named "strategy" too
+            StrategyRegistry[name]["init_params"] = {"strategy": code}
+
+
+_register()
