@@ -3,6 +3,9 @@
 
 #include <ATen/ATen.h>
 
+#include <stdexcept>
+#include <utility>
+
 namespace paro {
 namespace {
 
@@ -97,40 +100,62 @@ ParoBackend::ParoBackend(const Shape& shape, c10::intrusive_ptr<c10d::Backend> i
       shape_(shape),
       intra_(std::move(intra)),
       inter_(std::move(inter)),
-      flat_(std::move(flat)) {
+      flat_(std::move(flat)),
+      queue_(std::make_shared<Queue>()) {
   TORCH_CHECK(flat_, "paro: a flat sub-backend is required");
-  worker_ = std::thread([this] { worker_loop(); });
+  worker_ = std::thread([queue = queue_] { worker_loop(queue); });
 }
 
+// Requests for the worker thread, shared by the backend and the thread (see worker_loop).
+struct ParoBackend::Queue {
+  std::mutex mutex;
+  std::condition_variable cv;
+  std::deque<std::pair<c10::intrusive_ptr<ParoWork>, std::function<void()>>> tasks;
+  bool stop = false;
+};
+
 ParoBackend::~ParoBackend() {
+  const bool on_worker = worker_.joinable() && worker_.get_id() == std::this_thread::get_id();
+  std::deque<std::pair<c10::intrusive_ptr<ParoWork>, std::function<void()>>> orphaned;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stop_ = true;
+    std::lock_guard<std::mutex> lock(queue_->mutex);
+    queue_->stop = true;
+    // destroyed by a completion callback on the worker itself: later requests would run on a freed backend
+    if (on_worker) orphaned.swap(queue_->tasks);
   }
-  cv_.notify_all();
+  queue_->cv.notify_all();
+  for (auto& task : orphaned) {
+    task.first->complete(std::make_exception_ptr(
+        std::runtime_error("paro: the process group was destroyed before this collective ran")));
+  }
   if (!worker_.joinable()) return;
-  if (worker_.get_id() == std::this_thread::get_id()) {
-    worker_.detach();  // the last reference was dropped by a completion callback on the worker itself
+  if (on_worker) {
+    worker_.detach();  // the loop ends after the current request; it holds the queue itself
     return;
   }
   try {
-    worker_.join();
+    worker_.join();  // runs every request queued before the destruction first
   } catch (const std::exception&) {
     worker_.detach();
   }
 }
 
-void ParoBackend::worker_loop() {
+void ParoBackend::worker_loop(const std::shared_ptr<Queue>& queue) {
   for (;;) {
-    std::function<void()> task;
+    std::pair<c10::intrusive_ptr<ParoWork>, std::function<void()>> task;
     {
-      std::unique_lock<std::mutex> lock(mutex_);
-      cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
-      if (stop_ && queue_.empty()) return;
-      task = std::move(queue_.front());
-      queue_.pop_front();
+      std::unique_lock<std::mutex> lock(queue->mutex);
+      queue->cv.wait(lock, [&queue] { return queue->stop || !queue->tasks.empty(); });
+      if (queue->tasks.empty()) return;  // stopped, nothing left
+      task = std::move(queue->tasks.front());
+      queue->tasks.pop_front();
     }
-    task();
+    try {
+      task.second();
+      task.first->complete(nullptr);
+    } catch (...) {
+      task.first->complete(std::current_exception());
+    }
   }
 }
 
@@ -138,17 +163,10 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::enqueue(c10d::OpType type, std::vect
                                                     std::function<void()> fn) {
   auto work = c10::make_intrusive<ParoWork>(getRank(), type, std::move(outputs));
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    queue_.emplace_back([work, fn = std::move(fn)] {
-      try {
-        fn();
-        work->complete(nullptr);
-      } catch (...) {
-        work->complete(std::current_exception());
-      }
-    });
+    std::lock_guard<std::mutex> lock(queue_->mutex);
+    queue_->tasks.emplace_back(work, std::move(fn));
   }
-  cv_.notify_one();
+  queue_->cv.notify_one();
   return work;
 }
 
@@ -344,15 +362,28 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::all_gather_single_coalesced(std::vec
 
 c10::intrusive_ptr<c10d::Work> ParoBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                       std::vector<at::Tensor>& inputs,
-                                                      const c10d::AllgatherOptions& opts) {
-  std::vector<std::vector<at::Tensor>> o = outputs;
-  return allgather_coalesced(o, inputs, opts);
+                                                      const c10d::AllgatherOptions& /*opts*/) {
+  TORCH_CHECK(outputs.size() == inputs.size(), "paro: allgather needs one output list per input tensor");
+  return allgather_lists(outputs, inputs);
 }
 
 c10::intrusive_ptr<c10d::Work> ParoBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                                                 std::vector<at::Tensor>& inputs,
                                                                 const c10d::AllgatherOptions& /*opts*/) {
-  TORCH_CHECK(outputs.size() == inputs.size(), "paro: allgather needs one output list per input tensor");
+  // all_gather_coalesced's layout: outputs[rank][i] is input i of that rank (allgather's is outputs[i][rank])
+  TORCH_CHECK(static_cast<int>(outputs.size()) == getSize(), "paro: all_gather_coalesced needs one output list per ",
+              "rank (", getSize(), "), got ", outputs.size());
+  std::vector<std::vector<at::Tensor>> per_input(inputs.size());
+  for (const auto& of_rank : outputs) {
+    TORCH_CHECK(of_rank.size() == inputs.size(), "paro: all_gather_coalesced needs ", inputs.size(),
+                " output tensors per rank (one per input), got ", of_rank.size());
+    for (size_t i = 0; i < inputs.size(); ++i) per_input[i].push_back(of_rank[i]);
+  }
+  return allgather_lists(per_input, inputs);
+}
+
+c10::intrusive_ptr<c10d::Work> ParoBackend::allgather_lists(const std::vector<std::vector<at::Tensor>>& outputs,
+                                                            const std::vector<at::Tensor>& inputs) {
   std::vector<at::Tensor> flat_outputs;
   for (size_t i = 0; i < inputs.size(); ++i) {
     check_tensor(inputs[i], "all_gather");

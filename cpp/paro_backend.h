@@ -6,6 +6,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 
@@ -88,6 +89,9 @@ class ParoBackend : public c10d::Backend {
   void reset_stats();
 
  private:
+  // Gathers input i into outputs[i][0..size) (allgather's layout), for allgather and allgather_coalesced.
+  c10::intrusive_ptr<c10d::Work> allgather_lists(const std::vector<std::vector<at::Tensor>>& outputs,
+                                                 const std::vector<at::Tensor>& inputs);
   // Runs `fn` on the worker thread after every earlier request; the Work completes when it returns.
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, std::vector<at::Tensor> outputs,
                                          std::function<void()> fn);
@@ -95,17 +99,17 @@ class ParoBackend : public c10d::Backend {
   void run(CollectiveOp op, const at::Tensor& input, const at::Tensor& output, int64_t numel, int64_t root,
            const c10d::ReduceOp& reduce_op);
   c10d::Backend& level(Level l) const;
-  void worker_loop();
+  struct Queue;
+  // The worker thread's loop. It owns the queue (a shared_ptr), not the backend, so that a backend destroyed
+  // from a completion callback on the worker itself leaves the loop nothing freed to touch.
+  static void worker_loop(const std::shared_ptr<Queue>& queue);
 
   Shape shape_;
   c10::intrusive_ptr<c10d::Backend> intra_, inter_, flat_;
   std::array<std::atomic<std::uint64_t>, 3> bytes_{};
   std::array<std::atomic<std::uint64_t>, 3> ops_{};
 
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_;
-  bool stop_ = false;
+  std::shared_ptr<Queue> queue_;
   std::thread worker_;
 };
 

@@ -146,15 +146,17 @@ class FlatBuffer:
         """Elements of the natural layout: the parameters back to back, padded to a multiple of n (as at N)."""
         sizes = [s.numel for s in slots]
         self._split_sizes = [*sizes, self.numel - sum(sizes)]  # the parameters, then the padding
-        natural = torch.zeros(self.numel, device=self.device)
-        for s, v in zip(slots, values, strict=True):
-            natural[s.offset : s.offset + s.numel] = v.detach().reshape(-1)
+        # each parameter's values, flat; only this rank's blocks are copied out of them (a meta-device model's
+        # unit exists whole only as these)
+        parts = [v.detach().reshape(-1) for v in values]
         self.p_lo, self.p_hi = self.range(strategy.p)
         # p-shard: the persistent parameter storage (the whole natural layout when p = N)
         if strategy.p == N:
-            self.p_shard = natural.to(param_dtype)
+            self.p_shard = torch.zeros(self.numel, dtype=param_dtype, device=self.device)
+            for s, part in zip(slots, parts, strict=True):
+                self.p_shard[s.offset : s.offset + s.numel] = part
         else:
-            self.p_shard = self.to_blocks(natural.to(param_dtype))[self.p_lo : self.p_hi].clone()
+            self.p_shard = self._pack(parts, self.p_lo, self.p_hi, param_dtype)
         self.full: torch.Tensor | None = self.p_shard if strategy.p == N else None
         self.grad_ready = False
         self.g_acc: torch.Tensor | None = None
@@ -167,7 +169,7 @@ class FlatBuffer:
             if shares:  # the os block is part of the p-shard: the optimizer updates the parameters in place
                 self._master_region = self.p_shard.detach()[lo - self.p_lo : hi - self.p_lo]
             else:
-                self._master_region = self.to_blocks(natural.float())[lo:hi].clone()
+                self._master_region = self._pack(parts, lo, hi, torch.float32)
             g_lo, g_hi = self.range(strategy.g)
             # gradients accumulate across micro-steps in float32 (or reduce_dtype, where the user set one)
             self.g_acc = torch.zeros(g_hi - g_lo, dtype=precision.accumulate, device=self.device)
@@ -209,17 +211,25 @@ class FlatBuffer:
         """The natural layout → the whole blocked buffer (zeros in the padding); the same tensor at N."""
         if self.level == N:
             return natural
-        out = natural.new_zeros(self.padded)
-        blocks = out.view(self.layout.blocks, self.layout.block_numel)
-        for s, (offset, slot_rows, chunks) in zip(self.slots, self.places, strict=True):
-            src = natural[s.offset : s.offset + s.numel].view(s.rows, s.row_numel)
+        parts = [natural[s.offset : s.offset + s.numel] for s in self.slots]
+        return self._pack(parts, 0, self.padded, natural.dtype)
+
+    def _pack(self, parts: list[torch.Tensor], lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+        """Elements [lo, hi) of the blocked buffer (whole blocks) from each parameter's flat values, as ``dtype``."""
+        size = self.layout.block_numel
+        first, count = (lo // size, (hi - lo) // size) if size else (0, 0)
+        out = torch.zeros(hi - lo, dtype=dtype, device=self.device)
+        blocks = out.view(count, size)
+        for s, part, (offset, slot_rows, chunks) in zip(self.slots, parts, self.places, strict=True):
+            src = part.view(s.rows, s.row_numel)
             width = slot_rows * s.row_numel
-            if not s.replicated and s.rows == slot_rows * len(chunks):  # even: one strided copy
-                blocks[:, offset : offset + width].copy_(src.reshape(len(chunks), width))
+            if count == len(chunks) and not s.replicated and s.rows == slot_rows * count:  # even: one strided copy
+                blocks[:, offset : offset + width].copy_(src.reshape(count, width))
                 continue
-            for b, (start, rows) in enumerate(chunks):
+            for b in range(first, first + count):
+                start, rows = chunks[b]
                 if rows:
-                    blocks[b, offset : offset + rows * s.row_numel].copy_(src[start : start + rows].reshape(-1))
+                    blocks[b - first, offset : offset + rows * s.row_numel].copy_(src[start : start + rows].reshape(-1))
         return out
 
     def from_blocks(self, whole: torch.Tensor, natural: torch.Tensor) -> None:

@@ -73,3 +73,33 @@ def assert_ok(results: list[RankResult]) -> str:
     if bad:
         raise AssertionError("\n".join(f"--- rank {r.rank} exited {r.returncode}:\n{r.output[-4000:]}" for r in bad))
     return results[0].output
+
+
+def torchrun_checks(script: str, out: Path, checks: tuple[str, ...], env: dict[str, str], timeout: float = 540) -> str:
+    """Runs ``workers/<script> OUT CHECK,...`` under torchrun on 4 local ranks; returns its exit line and output.
+
+    For workers that run several checks in one launch (start-up dominates on 2 cores), each printing
+    ``CHECK <name> ok: ...`` on rank 0 (read with ``assert_check``).
+    """
+    e = dict(os.environ, PYTHONUNBUFFERED="1", **env)
+    e.pop("LOCAL_WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+    cmd += [str(WORKERS / script), str(out), ",".join(checks)]
+    try:
+        done = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as err:
+        return f"torchrun hung for {err.timeout}s:\n{err.stdout or ''}{err.stderr or ''}"
+    return f"torchrun exited {done.returncode}\n{done.stdout}\n{done.stderr}"
+
+
+def rank0_errors(output: str) -> str:
+    """The last lines rank 0 printed (its traceback), else the output's tail."""
+    errors = [line for line in output.splitlines() if line.startswith("[rank0]")]
+    return "\n".join(errors[-40:]) or output[-6000:]
+
+
+def assert_check(output: str, name: str) -> None:
+    """Fails unless rank 0 reported check ``name`` as passed in a ``torchrun_checks`` output; prints its line."""
+    lines = [line for line in output.splitlines() if line.startswith(f"CHECK {name} ok")]
+    assert lines, f"check {name!r} did not pass:\n{rank0_errors(output)}"
+    print(lines[0])

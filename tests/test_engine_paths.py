@@ -35,7 +35,7 @@ def test_training_path_matches_one_process(case: str) -> None:
 
 @pytest.mark.parametrize("code", ["GGG", "IIG", "NNG"])
 def test_meta_device_model_wraps_within_shards_plus_a_unit(code: str) -> None:
-    """Peak memory while wrapping a model built on the meta device: the shards plus a few whole units, not the model."""
+    """Peak memory while wrapping a model built on the meta device: the shards plus about two units, not the model."""
     env = {"PARO_GROUP_SIZE": "2", "MALLOC_MMAP_THRESHOLD_": "131072"}  # freed buffers leave the resident set
     out = assert_ok(launch("engine_meta_memory.py", 4, env=env, args=(code,), timeout=180))
     print(out)

@@ -4,12 +4,8 @@ One torchrun launch runs every check of workers/lightning_worker.py; each test r
 compares parameters with Lightning's own DDP strategy over the same data.
 """
 
-import os
-import subprocess
-import sys
-
 import pytest
-from launch import WORKERS
+from launch import assert_check, rank0_errors, torchrun_checks
 
 pytest.importorskip("lightning")
 
@@ -21,40 +17,26 @@ CHECKS = ("train", "resume", "errors")
 @pytest.fixture(scope="module")
 def torchrun_output(tmp_path_factory: pytest.TempPathFactory) -> str:
     out = tmp_path_factory.mktemp("lightning")
-    env = dict(os.environ, PARO_GROUP_SIZE="2", PYTHONUNBUFFERED="1")
-    env.pop("LOCAL_WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
-    cmd += [str(WORKERS / "lightning_worker.py"), str(out), ",".join(CHECKS)]
-    try:
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
-    except subprocess.TimeoutExpired as e:
-        return f"torchrun hung for {e.timeout}s:\n{e.stdout or ''}{e.stderr or ''}"
-    return f"torchrun exited {done.returncode}\n{done.stdout}\n{done.stderr}"
-
-
-def _check(output: str, name: str) -> None:
-    lines = [line for line in output.splitlines() if line.startswith(f"CHECK {name} ok")]
-    errors = [line for line in output.splitlines() if line.startswith("[rank0]")]
-    assert lines, f"check {name!r} did not pass:\n" + ("\n".join(errors[-40:]) or output[-6000:])
+    return torchrun_checks("lightning_worker.py", out, CHECKS, {"PARO_GROUP_SIZE": "2"})
 
 
 def test_paro_strategies_train_like_lightning_ddp(torchrun_output: str) -> None:
     """strategy="paro" (auto), "paro_IIG" and ParoStrategy("GGG"): 2 epochs with accumulation, clipping, an LR
     scheduler and param groups by name end with Lightning DDP's parameters (1e-5)."""
-    _check(torchrun_output, "train")
+    assert_check(torchrun_output, "train")
 
 
 def test_checkpoint_resumes_into_another_strategy(torchrun_output: str) -> None:
     """IIG for one epoch, trainer.save_checkpoint (sharded), then GGG with ckpt_path= for the second: DDP's result;
     save_consolidated writes the same weights as one file."""
-    _check(torchrun_output, "resume")
+    assert_check(torchrun_output, "resume")
 
 
 def test_bad_arguments_fail_on_every_rank(torchrun_output: str) -> None:
     """An unknown strategy code and a group size that does not divide the world raise on every rank, clearly."""
-    _check(torchrun_output, "errors")
+    assert_check(torchrun_output, "errors")
 
 
 def test_every_rank_exits_cleanly(torchrun_output: str) -> None:
     """Each rank runs every check itself (a rank that did not raise would fail): all exit 0."""
-    assert torchrun_output.startswith("torchrun exited 0\n"), torchrun_output[-4000:]
+    assert torchrun_output.startswith("torchrun exited 0\n"), rank0_errors(torchrun_output)

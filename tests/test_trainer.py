@@ -4,12 +4,8 @@ One torchrun launch runs every check of workers/hf_trainer.py (start-up dominate
 reads its check's result. Every check compares numbers with a single-process plain-torch run or with another run.
 """
 
-import os
-import subprocess
-import sys
-
 import pytest
-from launch import WORKERS
+from launch import assert_check, rank0_errors, torchrun_checks
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -21,55 +17,36 @@ CHECKS = ("full", "resume", "lora", "auto", "defaults")
 
 @pytest.fixture(scope="module")
 def torchrun_output(tmp_path_factory: pytest.TempPathFactory) -> str:
-    out = tmp_path_factory.mktemp("hf_trainer")
-    env = dict(os.environ, PARO_GROUP_SIZE="2", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    env.pop("LOCAL_WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
-    cmd += [str(WORKERS / "hf_trainer.py"), str(out), ",".join(CHECKS)]
-    try:
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
-    except subprocess.TimeoutExpired as e:
-        return f"torchrun hung for {e.timeout}s:\n{e.stdout or ''}{e.stderr or ''}"
-    return f"torchrun exited {done.returncode}\n{done.stdout}\n{done.stderr}"
-
-
-def _check(output: str, name: str) -> None:
-    lines = [line for line in output.splitlines() if line.startswith(f"CHECK {name} ok")]
-    assert lines, f"check {name!r} did not pass:\n{_tail(output)}"
-    print(lines[0])
-
-
-def _tail(output: str) -> str:
-    errors = [line for line in output.splitlines() if line.startswith("[rank0]")]
-    return "\n".join(errors[-40:]) or output[-6000:]
+    env = {"PARO_GROUP_SIZE": "2", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return torchrun_checks("hf_trainer.py", tmp_path_factory.mktemp("hf_trainer"), CHECKS, env)
 
 
 def test_matches_single_process_training_and_saves_a_pretrained_model(torchrun_output: str) -> None:
     """IIG, gradient accumulation 2, clipping, weight decay: losses, grad norms, learning rates, parameters and the
     eval loss equal one process over the same global batches (1e-5); save_model loads with from_pretrained."""
-    _check(torchrun_output, "full")
+    assert_check(torchrun_output, "full")
 
 
 def test_resume_from_checkpoint_continues_the_same_run(torchrun_output: str) -> None:
     """6 steps straight vs 3 steps + resume_from_checkpoint for 3 more (into GGG): same losses, eval losses and
     parameters; load_best_model_at_end goes back to the best sharded checkpoint."""
-    _check(torchrun_output, "resume")
+    assert_check(torchrun_output, "resume")
 
 
 def test_lora_trains_only_the_adapters_like_one_process(torchrun_output: str) -> None:
-    _check(torchrun_output, "lora")
+    assert_check(torchrun_output, "lora")
 
 
 def test_auto_strategy_with_bf16_and_tied_embeddings(torchrun_output: str) -> None:
-    _check(torchrun_output, "auto")
+    assert_check(torchrun_output, "auto")
 
 
 def test_trainer_defaults_fused_adamw_and_activation_checkpointing(torchrun_output: str) -> None:
     """The Trainer's default optimizer (fused AdamW), weight decay 0 and max_grad_norm 1.0, in "auto", IIG and NNG with
     activation checkpointing (recomputing) and in GGG without: losses, grad norms, learning rates and parameters equal
     one process (1e-5), where one stale parameter sync would leave them off by more than 1e-3."""
-    _check(torchrun_output, "defaults")
+    assert_check(torchrun_output, "defaults")
 
 
 def test_every_rank_exits_cleanly(torchrun_output: str) -> None:
-    assert torchrun_output.startswith("torchrun exited 0\n"), _tail(torchrun_output)
+    assert torchrun_output.startswith("torchrun exited 0\n"), rank0_errors(torchrun_output)

@@ -128,6 +128,11 @@ def main() -> None:
     cm.wait()
     for o, x in zip(outs, xs, strict=True):
         check("coalesced all_gather", o, gathered(x).reshape(-1))
+    # the list-of-lists form: output_lists[r][i] is input i of rank r (as Gloo returns it)
+    lists = [[torch.empty_like(x) for x in xs] for _ in range(world)]
+    dist.all_gather_coalesced(lists, xs)
+    for i, x in enumerate(xs):
+        check("all_gather_coalesced", torch.stack([lists[r][i] for r in range(world)]), gathered(x))
     dist.barrier()
     # pass-through collectives
     a2a_in = torch.arange(world, dtype=torch.float32) + rank * 100

@@ -1,4 +1,4 @@
-"""Wrapping a model built on the meta device: each rank's peak memory is its shards plus a few whole units.
+"""Wrapping a model built on the meta device: each rank's peak memory is its shards plus about two units.
 
 Measured as the growth of the peak resident set (VmHWM, reset through /proc/self/clear_refs) while the model is
 built and wrapped, against the same model built on the CPU first (the whole model on every rank). Run with
@@ -64,8 +64,9 @@ def main() -> None:
     sizes = f"shards {shards / MB:.1f} MB, one unit {unit / MB:.1f} MB, the model {BLOCKS * unit / MB:.1f} MB"
     print(f"rank {rank} {code}: peak {meta / MB:.1f} MB from meta, {whole / MB:.1f} MB from a CPU model; {sizes}")
     assert whole >= BLOCKS * unit, "the CPU-built model must show in the measurement"
-    # transient per unit: its materialised parameters, their packed copy and the blocked buffer
-    assert meta <= shards + 4 * unit, f"{code}: wrapping a meta model peaked at {meta / MB:.1f} MB"
+    # transient, one unit at a time: its materialised parameters and the staging copy of the broadcast from rank 0
+    # (then only this rank's blocks are copied out), with a unit's worth of allocator slack
+    assert meta <= shards + 3 * unit, f"{code}: wrapping a meta model peaked at {meta / MB:.1f} MB"
     dist.barrier()
     dist.destroy_process_group()
 

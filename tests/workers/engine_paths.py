@@ -302,6 +302,10 @@ def main() -> None:
         result = compare(case, code, model, ref)
         if case == "batchnorm" and result[0].startswith("ok "):  # the buffers go through a DCP checkpoint too
             result = through_checkpoint(case, code, model, ref, groups)
+            # under a parent module: the wrapped subtree's shards and buffers, prefixed; no collective
+            parent = nn.ModuleDict({"net": model}).state_dict()
+            own = model.state_dict()
+            assert parent.keys() == {f"net.{k}" for k in own} and any("running_mean" in k for k in own), sorted(parent)
         ok = result[0].startswith("ok ")
         failures += [] if ok else result
         if rank == 0:  # every rank checks the same full state dict, and fails with its own message
