@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +118,8 @@ def save_checkpoint(
         }
         if extra is not None:
             torch.save(extra, partial / EXTRA)
+        # every file's size and checksum: a truncated or damaged file is refused on load, never read silently
+        marker["files"] = {f.name: _digest(f) for f in sorted(partial.iterdir()) if f.is_file()}
         (partial / MARKER).write_text(json.dumps(marker, indent=1))
         old = path.with_name(path.name + ".old")
         if path.exists():
@@ -142,6 +145,8 @@ def load_checkpoint(
     states: dict[int, dict[str, torch.Tensor | str]] = {}
     try:
         marker = _read_marker(path)
+        if dist.get_rank() == 0:  # one reader checks the files; raise_together tells every rank
+            _check_files(path, marker)
         metadata = dcp.FileSystemReader(path).read_metadata()
         _check_compatible(model, marker, metadata, path)
         live = _module_buffers(model)
@@ -175,6 +180,30 @@ def read_extra(path: str | os.PathLike[str]) -> dict[str, Any]:
     _read_marker(path)
     file = path / EXTRA
     return torch.load(file, weights_only=False) if file.is_file() else {}
+
+
+def _digest(file: Path) -> list[int]:
+    """[size in bytes, CRC-32] of a file, read in 4 MiB pieces."""
+    crc = 0
+    with file.open("rb") as f:
+        while piece := f.read(4 << 20):
+            crc = zlib.crc32(piece, crc)
+    return [file.stat().st_size, crc]
+
+
+def _check_files(path: Path, marker: dict[str, Any]) -> None:
+    """Raises, naming the file, if a file the save recorded is missing, of another size or another checksum."""
+    for name, (size, crc) in marker.get("files", {}).items():  # checkpoints before checksums have none
+        file = path / name
+        if not file.is_file():
+            raise FileNotFoundError(f"checkpoint file {file} is missing; load an earlier checkpoint")
+        got = _digest(file)
+        if got[0] != size:
+            raise ValueError(f"checkpoint file {file} is truncated or was changed: {got[0]} bytes, {size} when "
+                             "saved; load an earlier checkpoint")  # fmt: skip
+        if got[1] != crc:
+            raise ValueError(f"checkpoint file {file} is corrupted: its checksum differs from the one saved; load "
+                             "an earlier checkpoint")  # fmt: skip
 
 
 def _read_marker(path: Path) -> dict[str, Any]:

@@ -54,10 +54,12 @@ def test_torch_dcp_state_dict_api_saves_and_reshards(tmp_path: Path) -> None:
 
 def test_interrupted_save_never_loads_as_complete(tmp_path: Path) -> None:
     """A rank dies while saving over a checkpoint: the job fails, the earlier checkpoint still loads as it was,
-    and the partial one is refused; a checkpoint of another model is refused with the names that differ."""
+    and the partial one is refused; a checkpoint of another model is refused with the names that differ; a shard
+    file cut short or with one byte changed is refused, naming the file."""
     results = launch("checkpoint.py", 2, env={"PARO_GROUP_SIZE": "1"}, args=("interrupt", str(tmp_path)), timeout=120)
     assert results[1].returncode == 3, results[1].output[-2000:]
     assert results[0].returncode != 0 and "Error" in results[0].output, results[0].output[-2000:]
     assert (tmp_path / "interrupted.partial").is_dir()
     out = assert_ok(launch("checkpoint.py", 1, args=("verify", str(tmp_path), "NNN"), timeout=120))
     assert "not a complete paro_torch checkpoint" in out and "does not match the model" in out
+    assert "is truncated" in out and "is corrupted" in out and ".distcp" in out  # damaged files, by name

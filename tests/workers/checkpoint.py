@@ -12,6 +12,7 @@ Usage: checkpoint.py PHASE DIR [STRATEGY]
 
 import datetime
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -104,6 +105,18 @@ def main() -> None:
         expect_error(lambda: load_checkpoint(out / "interrupted.partial", model, opt), "not a complete")
         other = ParoShardedModule(torch.nn.Sequential(torch.nn.Linear(4, 4)), "NNN")
         expect_error(lambda: load_checkpoint(out / "interrupted", other), "does not match the model")
+        # a shard file cut short, or one byte changed: refused, naming the file
+        for damage, text in (("truncate", "is truncated"), ("flip", "is corrupted")):
+            bad = out / f"damaged-{damage}"
+            shutil.copytree(out / "interrupted", bad)
+            shard = sorted(bad.glob("*.distcp"))[-1]
+            data = bytearray(shard.read_bytes())
+            if damage == "truncate":
+                data = data[: len(data) - 7]
+            else:
+                data[len(data) // 2] ^= 0xFF
+            shard.write_bytes(bytes(data))
+            expect_error(lambda bad=bad: load_checkpoint(bad, model, opt), text)
         print("verify ok", flush=True)
     dist.destroy_process_group()
 
