@@ -57,15 +57,15 @@ class ParamSlot:
     @property
     def replicated(self) -> bool:
         """A 0-dimensional parameter has no rows to shard: every block holds it whole."""
-        return len(self.shape) == 0
+        return param_rows(self.shape)[2]
 
     @property
     def rows(self) -> int:
-        return 1 if self.replicated else self.shape[0]
+        return param_rows(self.shape)[0]
 
     @property
     def row_numel(self) -> int:
-        return self.numel // self.rows if self.rows else 1
+        return param_rows(self.shape)[1]
 
 
 Sent = dict[str, int]
