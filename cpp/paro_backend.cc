@@ -56,6 +56,25 @@ void check_reduce_op(const c10d::ReduceOp& op, const at::Tensor& t) {
   }
 }
 
+// The same memory as `t`, without owning it. Sub-backends release the tensors of a finished collective on
+// their own threads, after wait() has returned here. Had they been given the caller's tensors, the last
+// reference to a tensor owned by a Python object could drop on such a thread while the interpreter exits;
+// taking the GIL there ends the thread inside a noexcept destructor, and the process aborts with
+// "terminate called without an active exception" (issue #14). A borrowed tensor frees nothing when dropped;
+// the request that borrowed it keeps the real tensors alive until its plan has finished.
+at::Tensor borrowed(const at::Tensor& t) {
+  if (!t.defined()) return t;
+  if (t.numel() == 0) return at::empty(t.sizes(), t.options());
+  return at::from_blob(t.data_ptr(), t.sizes(), t.strides(), t.options());
+}
+
+std::vector<at::Tensor> borrowed(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> out;
+  out.reserve(ts.size());
+  for (const auto& t : ts) out.push_back(borrowed(t));
+  return out;
+}
+
 // dst[0, b, c] = reduce over a of src[a, b, c]
 void combine(const at::Tensor& src, at::Tensor dst, c10d::ReduceOp::RedOpType op) {
   switch (op) {
@@ -150,12 +169,15 @@ void ParoBackend::worker_loop(const std::shared_ptr<Queue>& queue) {
       task = std::move(queue->tasks.front());
       queue->tasks.pop_front();
     }
+    std::exception_ptr error;
     try {
       task.second();
-      task.first->complete(nullptr);
     } catch (...) {
-      task.first->complete(std::current_exception());
+      error = std::current_exception();
     }
+    // The request's tensors are dropped before its waiter wakes, never after (see borrowed()).
+    task.second = nullptr;
+    task.first->complete(error);
   }
 }
 
@@ -185,8 +207,8 @@ c10d::Backend& ParoBackend::level(Level l) const {
 
 void ParoBackend::run(CollectiveOp op, const at::Tensor& input, const at::Tensor& output, int64_t numel, int64_t root,
                       const c10d::ReduceOp& reduce_op) {
-  at::Tensor in = input.view({-1});
-  at::Tensor out = output.view({-1});
+  at::Tensor in = borrowed(input).view({-1});
+  at::Tensor out = borrowed(output).view({-1});
   if (reduce_op.op_ == c10d::ReduceOp::PREMUL_SUM) {
     auto* sup = dynamic_cast<c10d::PreMulSumSupplement*>(reduce_op.supplement_.get());
     TORCH_CHECK(sup, "paro: PREMUL_SUM without a factor");
@@ -269,7 +291,16 @@ void ParoBackend::run(CollectiveOp op, const at::Tensor& input, const at::Tensor
           TORCH_CHECK(false, "paro: unknown plan step");
       }
     }
-    for (auto& w : works) w->wait();
+    // every sub-collective of the stage ends before an error propagates: they write through borrowed tensors
+    std::exception_ptr first_error;
+    for (auto& w : works) {
+      try {
+        w->wait();
+      } catch (...) {
+        if (!first_error) first_error = std::current_exception();
+      }
+    }
+    if (first_error) std::rethrow_exception(first_error);
   }
   if (reduce_op.op_ == c10d::ReduceOp::AVG && (op != CollectiveOp::Reduce || getRank() == root)) {
     out.div_(getSize());
@@ -482,7 +513,8 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::all_to_all_single(at::Tensor& output
   std::vector<int64_t> os = outputSplits, is = inputSplits;
   return enqueue(c10d::OpType::ALLTOALL_BASE, {output}, [this, o, i, os, is, opts]() mutable {
     ops_[2] += 1;
-    flat_->all_to_all_single(o, i, os, is, opts)->wait();
+    at::Tensor bo = borrowed(o), bi = borrowed(i);
+    flat_->all_to_all_single(bo, bi, os, is, opts)->wait();
   });
 }
 
@@ -492,7 +524,8 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::alltoall(std::vector<at::Tensor>& ou
   std::vector<at::Tensor> o = outputs, i = inputs;
   return enqueue(c10d::OpType::ALLTOALL, outputs, [this, o, i, opts]() mutable {
     ops_[2] += 1;
-    flat_->alltoall(o, i, opts)->wait();
+    std::vector<at::Tensor> bo = borrowed(o), bi = borrowed(i);
+    flat_->alltoall(bo, bi, opts)->wait();
   });
 }
 
@@ -503,7 +536,10 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::gather(std::vector<std::vector<at::T
   std::vector<at::Tensor> i = inputs;
   return enqueue(c10d::OpType::GATHER, inputs, [this, o, i, opts]() mutable {
     ops_[2] += 1;
-    flat_->gather(o, i, opts)->wait();
+    std::vector<std::vector<at::Tensor>> bo;
+    for (const auto& v : o) bo.push_back(borrowed(v));
+    std::vector<at::Tensor> bi = borrowed(i);
+    flat_->gather(bo, bi, opts)->wait();
   });
 }
 
@@ -514,7 +550,10 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::scatter(std::vector<at::Tensor>& out
   std::vector<std::vector<at::Tensor>> i = inputs;
   return enqueue(c10d::OpType::SCATTER, outputs, [this, o, i, opts]() mutable {
     ops_[2] += 1;
-    flat_->scatter(o, i, opts)->wait();
+    std::vector<at::Tensor> bo = borrowed(o);
+    std::vector<std::vector<at::Tensor>> bi;
+    for (const auto& v : i) bi.push_back(borrowed(v));
+    flat_->scatter(bo, bi, opts)->wait();
   });
 }
 

@@ -4,6 +4,7 @@ Values are small integers, so every dtype (bf16 included) must match bit for bit
 """
 
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -145,6 +146,7 @@ def main() -> None:
         t = torch.zeros(1)
         dist.recv(t, src=0)
         check("send/recv", t, torch.tensor([42.0]))
+    check_sub_backends_borrow(rank, world)
     # bad input gets a clear error, on every rank, before anything is sent
     try:
         dist.all_gather_into_tensor(torch.empty(3), torch.empty(2))
@@ -155,6 +157,35 @@ def main() -> None:
     dist.barrier()
     print(f"rank {rank}: {count} checks OK, stats {paro_torch.comm_stats()}")
     dist.destroy_process_group()
+
+
+def storage_refs(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def check_sub_backends_borrow(rank: int, world: int) -> None:
+    """While a collective is in flight, the sub-backends hold no reference to the caller's tensors.
+
+    Gloo releases a finished collective's tensors on its own thread after wait() returns; a tensor owned by a
+    Python object and released there while the interpreter exits aborts the process (issue #14). Rank 0 starts
+    each collective and looks at its tensors' storage while the other ranks are still asleep.
+    """
+    calls = {  # name: (output numel, call(input, output))
+        "all_reduce": (0, lambda a, b: dist.all_reduce(a, async_op=True)),
+        "all_gather_into_tensor": (world * world, lambda a, b: dist.all_gather_into_tensor(b, a, async_op=True)),
+        "all_to_all_single": (world, lambda a, b: dist.all_to_all_single(b, a, async_op=True)),
+    }
+    for name, (out_numel, call) in calls.items():
+        a, b = torch.ones(world), torch.zeros(out_numel)
+        before = (storage_refs(a), storage_refs(b))
+        if rank != 0:
+            time.sleep(0.4)
+        work = call(a, b)
+        if rank == 0:
+            time.sleep(0.2)
+            during = (storage_refs(a), storage_refs(b))
+            assert during == before, f"{name}: a sub-backend holds the caller's tensors ({before} -> {during})"
+        work.wait()
 
 
 def _ag_flat(x: torch.Tensor, world: int) -> torch.Tensor:
