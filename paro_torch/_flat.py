@@ -1,4 +1,4 @@
-"""One unit's parameters in a flat buffer for communication, and per parameter for the optimizer (paro-spec §3).
+"""One unit's parameters in a flat buffer for communication, and per parameter for the optimizer (PaRO-DP).
 
 Each parameter is sharded by rows, as ``torch.chunk`` and a DTensor with ``Shard(0)`` shard it: first into m
 I-chunks by local rank r, then each into g G-chunks by group k. The optimizer sees each parameter's os chunk as

@@ -1,4 +1,4 @@
-//! Per-parameter shard layout (paro-spec §3, nested): each parameter is split along its first dimension
+//! Per-parameter shard layout (nested, as in PaRO-DP, arXiv 2310.06003): each parameter is split along its first dimension
 //! (rows) the way `torch.chunk` splits it, first into m I-chunks by local rank r, then each I-chunk into g
 //! G-chunks by group k, so the G-chunk of rank (k, r) nests in its I-chunk. These are exactly the local
 //! shards of a DTensor with placements `(Shard(0), Shard(0))` on the (intra, inter) mesh (or
