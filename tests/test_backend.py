@@ -36,6 +36,12 @@ def test_deepspeed_zero3_trains_like_one_process() -> None:
     assert_ok(launch("deepspeed_zero3.py", 4, env={"PARO_GROUP_SIZE": "2"}))
 
 
+def test_a_script_without_destroy_process_group_exits_cleanly() -> None:
+    """One run here; scripts/clean_exits.py repeats it (and the framework workers) 50 times."""
+    out = assert_ok(launch("no_destroy.py", 4, env={"PARO_GROUP_SIZE": "2"}))
+    assert "done without destroy_process_group" in out, out
+
+
 def test_frameworks_on_four_groups() -> None:
     assert_ok(launch("frameworks.py", 8, env={"PARO_GROUP_SIZE": "2"}, args=("hsdp",)))
 
