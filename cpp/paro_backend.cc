@@ -2,6 +2,8 @@
 #include "cpp/paro_backend.h"
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <c10/util/ThreadLocalDebugInfo.h>
 
 #include <stdexcept>
 #include <utility>
@@ -14,6 +16,30 @@ int level_index(Level l) {
     case Level::Intra: return 0;
     case Level::Inter: return 1;
     default: return 2;
+  }
+}
+
+// Profiler titles of plan steps: [level][kind] for the communicating kinds (AllGather .. Barrier).
+constexpr const char* kStepTitles[3][6] = {
+    {"paro:intra:all_gather", "paro:intra:all_to_all", "paro:intra:all_reduce", "paro:intra:broadcast",
+     "paro:intra:reduce", "paro:intra:barrier"},
+    {"paro:inter:all_gather", "paro:inter:all_to_all", "paro:inter:all_reduce", "paro:inter:broadcast",
+     "paro:inter:reduce", "paro:inter:barrier"},
+    {"paro:flat:all_gather", "paro:flat:all_to_all", "paro:flat:all_reduce", "paro:flat:broadcast",
+     "paro:flat:reduce", "paro:flat:barrier"}};
+
+const char* step_title(Level l, Kind k) { return kStepTitles[level_index(l)][static_cast<int>(k)]; }
+
+// Rethrows the exception being handled with `context` added; one that is not a c10::Error becomes a
+// DistBackendError (torch.distributed.DistBackendError in Python), as torch's own backends raise.
+[[noreturn]] void rethrow_with(const std::string& context) {
+  try {
+    throw;
+  } catch (c10::Error& e) {
+    e.add_context(context);
+    throw;
+  } catch (const std::exception& e) {
+    C10_THROW_ERROR(DistBackendError, c10::str(e.what(), "\n  ", context));
   }
 }
 
@@ -75,6 +101,13 @@ std::vector<at::Tensor> borrowed(const std::vector<at::Tensor>& ts) {
   return out;
 }
 
+std::vector<std::vector<at::Tensor>> borrowed(const std::vector<std::vector<at::Tensor>>& lists) {
+  std::vector<std::vector<at::Tensor>> out;
+  out.reserve(lists.size());
+  for (const auto& ts : lists) out.push_back(borrowed(ts));
+  return out;
+}
+
 // dst[0, b, c] = reduce over a of src[a, b, c]
 void combine(const at::Tensor& src, at::Tensor dst, c10d::ReduceOp::RedOpType op) {
   switch (op) {
@@ -88,10 +121,20 @@ void combine(const at::Tensor& src, at::Tensor dst, c10d::ReduceOp::RedOpType op
 }  // namespace
 
 // ---------------------------------------------------------------------------------------- Work
-ParoBackend::ParoWork::ParoWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
+ParoBackend::ParoWork::ParoWork(int rank, c10d::OpType type, const char* title, const std::vector<at::Tensor>& inputs,
+                                std::vector<at::Tensor> outputs, uint64_t seq)
     : c10d::Work(rank, type),
       outputs_(std::move(outputs)),
-      future_(c10::make_intrusive<at::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+      future_(c10::make_intrusive<at::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))),
+      seq_(seq) {
+  auto record = std::make_shared<at::RecordFunction>(at::RecordScope::USER_SCOPE);
+  if (!record->isActive()) return;
+  record->_setAsync();  // ends on the worker thread, when the plan has run
+  std::vector<c10::IValue> args(inputs.begin(), inputs.end());
+  args.emplace_back(static_cast<int64_t>(seq));
+  record->before(title, c10::ArrayRef<const c10::IValue>(args.data(), args.size()));
+  recordFunctionEndCallback_ = [record] { record->end(); };
+}
 
 bool ParoBackend::ParoWork::isCompleted() { return future_->completed(); }
 
@@ -125,17 +168,27 @@ ParoBackend::ParoBackend(const Shape& shape, c10::intrusive_ptr<c10d::Backend> i
   worker_ = std::thread([queue = queue_] { worker_loop(queue); });
 }
 
+// One request for the worker thread.
+struct ParoBackend::Task {
+  c10::intrusive_ptr<ParoWork> work;
+  std::function<void()> fn;
+  std::string what;  // "all_reduce #7 (1000 elements of Float) on rank 0 of 4", for error messages
+  // The caller's profiler state, so that the plan's steps appear in the caller's torch.profiler trace.
+  at::RecordFunctionTLS profiler_callbacks;
+  std::shared_ptr<c10::ThreadLocalDebugInfo> debug_info;
+};
+
 // Requests for the worker thread, shared by the backend and the thread (see worker_loop).
 struct ParoBackend::Queue {
   std::mutex mutex;
   std::condition_variable cv;
-  std::deque<std::pair<c10::intrusive_ptr<ParoWork>, std::function<void()>>> tasks;
+  std::deque<Task> tasks;
   bool stop = false;
 };
 
 ParoBackend::~ParoBackend() {
   const bool on_worker = worker_.joinable() && worker_.get_id() == std::this_thread::get_id();
-  std::deque<std::pair<c10::intrusive_ptr<ParoWork>, std::function<void()>>> orphaned;
+  std::deque<Task> orphaned;
   {
     std::lock_guard<std::mutex> lock(queue_->mutex);
     queue_->stop = true;
@@ -144,8 +197,8 @@ ParoBackend::~ParoBackend() {
   }
   queue_->cv.notify_all();
   for (auto& task : orphaned) {
-    task.first->complete(std::make_exception_ptr(
-        std::runtime_error("paro: the process group was destroyed before this collective ran")));
+    task.work->complete(std::make_exception_ptr(std::runtime_error(
+        "paro: the process group was destroyed before " + task.what + " ran")));
   }
   if (!worker_.joinable()) return;
   if (on_worker) {
@@ -161,7 +214,7 @@ ParoBackend::~ParoBackend() {
 
 void ParoBackend::worker_loop(const std::shared_ptr<Queue>& queue) {
   for (;;) {
-    std::pair<c10::intrusive_ptr<ParoWork>, std::function<void()>> task;
+    Task task;
     {
       std::unique_lock<std::mutex> lock(queue->mutex);
       queue->cv.wait(lock, [&queue] { return queue->stop || !queue->tasks.empty(); });
@@ -170,23 +223,41 @@ void ParoBackend::worker_loop(const std::shared_ptr<Queue>& queue) {
       queue->tasks.pop_front();
     }
     std::exception_ptr error;
-    try {
-      task.second();
-    } catch (...) {
-      error = std::current_exception();
+    const at::RecordFunctionTLS own_callbacks = at::get_record_function_tls_();
+    at::set_record_function_tls_(task.profiler_callbacks);
+    {
+      c10::DebugInfoGuard debug_info(task.debug_info);
+      try {
+        try {
+          task.fn();
+        } catch (...) {
+          rethrow_with("paro: " + task.what + " failed");
+        }
+      } catch (...) {
+        error = std::current_exception();
+      }
     }
+    at::set_record_function_tls_(own_callbacks);
     // The request's tensors are dropped before its waiter wakes, never after (see borrowed()).
-    task.second = nullptr;
-    task.first->complete(error);
+    task.fn = nullptr;
+    task.work->complete(error);
   }
 }
 
-c10::intrusive_ptr<c10d::Work> ParoBackend::enqueue(c10d::OpType type, std::vector<at::Tensor> outputs,
-                                                    std::function<void()> fn) {
-  auto work = c10::make_intrusive<ParoWork>(getRank(), type, std::move(outputs));
+c10::intrusive_ptr<c10d::Work> ParoBackend::enqueue(c10d::OpType type, const char* title,
+                                                    const std::vector<at::Tensor>& inputs,
+                                                    std::vector<at::Tensor> outputs, std::function<void()> fn) {
+  const uint64_t seq = ++seq_;
+  auto work = c10::make_intrusive<ParoWork>(getRank(), type, title, inputs, std::move(outputs), seq);
+  int64_t numel = 0;
+  for (const auto& t : inputs) numel += t.defined() ? t.numel() : 0;
+  std::string what = c10::str(title + 5, " #", seq);  // title without "paro:"
+  if (!inputs.empty() && inputs[0].defined()) what += c10::str(" (", numel, " elements of ", inputs[0].scalar_type(), ")");
+  what += c10::str(" on rank ", getRank(), " of ", getSize());
+  Task task{work, std::move(fn), std::move(what), at::get_record_function_tls_(), c10::ThreadLocalDebugInfo::current()};
   {
     std::lock_guard<std::mutex> lock(queue_->mutex);
-    queue_->tasks.emplace_back(work, std::move(fn));
+    queue_->tasks.push_back(std::move(task));
   }
   queue_->cv.notify_one();
   return work;
@@ -234,7 +305,9 @@ void ParoBackend::run(CollectiveOp op, const at::Tensor& input, const at::Tensor
   while (i < steps.size()) {
     const uint32_t stage = steps[i].stage;
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
-    std::vector<at::Tensor> keep;  // sub-collective buffers stay alive until the stage ends
+    std::vector<const char*> titles;  // of works
+    std::vector<at::Tensor> keep;     // sub-collective buffers stay alive until the stage ends
+    std::vector<std::unique_ptr<at::RecordFunction>> records;  // profiler events of the stage's steps
     for (; i < steps.size() && steps[i].stage == stage; ++i) {
       const Step& s = steps[i];
       if (s.kind == Kind::Copy) {
@@ -253,6 +326,13 @@ void ParoBackend::run(CollectiveOp op, const at::Tensor& input, const at::Tensor
       const int li = level_index(s.level);
       bytes_[li] += s.bytes;
       ops_[li] += 1;
+      titles.push_back(step_title(s.level, s.kind));
+      auto record = std::make_unique<at::RecordFunction>(at::RecordScope::USER_SCOPE);
+      if (record->isActive()) {
+        const std::array<c10::IValue, 2> args{src, dst};
+        record->before(titles.back(), c10::ArrayRef<const c10::IValue>(args.data(), args.size()));
+        records.push_back(std::move(record));
+      }
       switch (s.kind) {
         case Kind::AllGather:
           works.push_back(b.all_gather_single(dst, src, c10d::AllgatherOptions()));
@@ -293,14 +373,23 @@ void ParoBackend::run(CollectiveOp op, const at::Tensor& input, const at::Tensor
     }
     // every sub-collective of the stage ends before an error propagates: they write through borrowed tensors
     std::exception_ptr first_error;
-    for (auto& w : works) {
+    const char* failed = nullptr;
+    for (size_t w = 0; w < works.size(); ++w) {
       try {
-        w->wait();
+        works[w]->wait();
       } catch (...) {
         if (!first_error) first_error = std::current_exception();
+        if (!failed) failed = titles[w];
       }
     }
-    if (first_error) std::rethrow_exception(first_error);
+    records.clear();  // ends the steps' profiler events
+    if (first_error) {
+      try {
+        std::rethrow_exception(first_error);
+      } catch (...) {
+        rethrow_with(c10::str("in step ", failed, " of stage ", stage));
+      }
+    }
   }
   if (reduce_op.op_ == c10d::ReduceOp::AVG && (op != CollectiveOp::Reduce || getRank() == root)) {
     out.div_(getSize());
@@ -316,7 +405,7 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::broadcast(std::vector<at::Tensor>& t
               " is out of range for ", getSize(), " ranks");
   at::Tensor t = tensors[0];
   int64_t root = opts.rootRank;
-  return enqueue(c10d::OpType::BROADCAST, tensors, [this, t, root] {
+  return enqueue(c10d::OpType::BROADCAST, "paro:broadcast", tensors, tensors, [this, t, root] {
     run(CollectiveOp::Broadcast, t, t, t.numel(), root, c10d::ReduceOp(c10d::ReduceOp::SUM));
   });
 }
@@ -328,7 +417,7 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::allreduce(std::vector<at::Tensor>& t
   check_reduce_op(opts.reduceOp, tensors[0]);
   at::Tensor t = tensors[0];
   c10d::ReduceOp op = opts.reduceOp;
-  return enqueue(c10d::OpType::ALLREDUCE, tensors,
+  return enqueue(c10d::OpType::ALLREDUCE, "paro:all_reduce", tensors, tensors,
                  [this, t, op] { run(CollectiveOp::AllReduce, t, t, t.numel(), 0, op); });
 }
 
@@ -340,7 +429,7 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::allreduce_coalesced(std::vector<at::
   }
   std::vector<at::Tensor> ts = tensors;
   c10d::ReduceOp op = opts.reduceOp;
-  return enqueue(c10d::OpType::ALLREDUCE_COALESCED, tensors, [this, ts, op] {
+  return enqueue(c10d::OpType::ALLREDUCE_COALESCED, "paro:all_reduce_coalesced", tensors, tensors, [this, ts, op] {
     for (const auto& t : ts) run(CollectiveOp::AllReduce, t, t, t.numel(), 0, op);
   });
 }
@@ -355,7 +444,7 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::reduce(std::vector<at::Tensor>& tens
   at::Tensor t = tensors[0];
   int64_t root = opts.rootRank;
   c10d::ReduceOp op = opts.reduceOp;
-  return enqueue(c10d::OpType::REDUCE, tensors,
+  return enqueue(c10d::OpType::REDUCE, "paro:reduce", tensors, tensors,
                  [this, t, root, op] { run(CollectiveOp::Reduce, t, t, t.numel(), root, op); });
 }
 
@@ -367,7 +456,7 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::all_gather_single(at::Tensor& output
   TORCH_CHECK(output.numel() == input.numel() * getSize(), "paro: all_gather_into_tensor needs an output of ",
               getSize(), " x ", input.numel(), " elements (got ", output.numel(), ")");
   at::Tensor in = input, out = output;
-  return enqueue(c10d::OpType::_ALLGATHER_BASE, {output}, [this, in, out] {
+  return enqueue(c10d::OpType::_ALLGATHER_BASE, "paro:all_gather_into_tensor", {input}, {output}, [this, in, out] {
     run(CollectiveOp::AllGather, in, out, in.numel(), 0, c10d::ReduceOp(c10d::ReduceOp::SUM));
   });
 }
@@ -384,7 +473,8 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::all_gather_single_coalesced(std::vec
                 "paro: all_gather_into_tensor_coalesced output ", i, " has the wrong size");
   }
   std::vector<at::Tensor> ins = inputs, outs = outputs;
-  return enqueue(c10d::OpType::COALESCED, outputs, [this, ins, outs] {
+  return enqueue(c10d::OpType::COALESCED, "paro:all_gather_into_tensor_coalesced", inputs, outputs,
+                 [this, ins, outs] {
     for (size_t i = 0; i < ins.size(); ++i) {
       run(CollectiveOp::AllGather, ins[i], outs[i], ins[i].numel(), 0, c10d::ReduceOp(c10d::ReduceOp::SUM));
     }
@@ -395,7 +485,7 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::allgather(std::vector<std::vector<at
                                                       std::vector<at::Tensor>& inputs,
                                                       const c10d::AllgatherOptions& /*opts*/) {
   TORCH_CHECK(outputs.size() == inputs.size(), "paro: allgather needs one output list per input tensor");
-  return allgather_lists(outputs, inputs);
+  return allgather_lists("paro:all_gather", outputs, inputs);
 }
 
 c10::intrusive_ptr<c10d::Work> ParoBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
@@ -410,10 +500,11 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::allgather_coalesced(std::vector<std:
                 " output tensors per rank (one per input), got ", of_rank.size());
     for (size_t i = 0; i < inputs.size(); ++i) per_input[i].push_back(of_rank[i]);
   }
-  return allgather_lists(per_input, inputs);
+  return allgather_lists("paro:all_gather_coalesced", per_input, inputs);
 }
 
-c10::intrusive_ptr<c10d::Work> ParoBackend::allgather_lists(const std::vector<std::vector<at::Tensor>>& outputs,
+c10::intrusive_ptr<c10d::Work> ParoBackend::allgather_lists(const char* title,
+                                                            const std::vector<std::vector<at::Tensor>>& outputs,
                                                             const std::vector<at::Tensor>& inputs) {
   std::vector<at::Tensor> flat_outputs;
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -428,7 +519,7 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::allgather_lists(const std::vector<st
   }
   std::vector<at::Tensor> ins = inputs;
   std::vector<std::vector<at::Tensor>> outs = outputs;
-  return enqueue(c10d::OpType::ALLGATHER, flat_outputs, [this, ins, outs] {
+  return enqueue(c10d::OpType::ALLGATHER, title, inputs, flat_outputs, [this, ins, outs] {
     for (size_t i = 0; i < ins.size(); ++i) {
       at::Tensor in = ins[i].contiguous();
       at::Tensor gathered = at::empty({in.numel() * getSize()}, in.options());
@@ -450,7 +541,7 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::reduce_scatter_single(at::Tensor& ou
               getSize(), " x ", output.numel(), " elements (got ", input.numel(), ")");
   at::Tensor in = input, out = output;
   c10d::ReduceOp op = opts.reduceOp;
-  return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, {output},
+  return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, "paro:reduce_scatter_tensor", {input}, {output},
                  [this, in, out, op] { run(CollectiveOp::ReduceScatter, in, out, out.numel(), 0, op); });
 }
 
@@ -467,7 +558,8 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::reduce_scatter_single_coalesced(std:
   }
   std::vector<at::Tensor> ins = inputs, outs = outputs;
   c10d::ReduceOp op = opts.reduceOp;
-  return enqueue(c10d::OpType::COALESCED, outputs, [this, ins, outs, op] {
+  return enqueue(c10d::OpType::COALESCED, "paro:reduce_scatter_tensor_coalesced", inputs, outputs,
+                 [this, ins, outs, op] {
     for (size_t i = 0; i < ins.size(); ++i) {
       run(CollectiveOp::ReduceScatter, ins[i], outs[i], outs[i].numel(), 0, op);
     }
@@ -489,7 +581,7 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::reduce_scatter(std::vector<at::Tenso
   std::vector<at::Tensor> ins = inputs[0];
   at::Tensor out = outputs[0];
   c10d::ReduceOp op = opts.reduceOp;
-  return enqueue(c10d::OpType::REDUCE_SCATTER, outputs, [this, ins, out, op] {
+  return enqueue(c10d::OpType::REDUCE_SCATTER, "paro:reduce_scatter", inputs[0], outputs, [this, ins, out, op] {
     std::vector<at::Tensor> flat;
     for (const auto& t : ins) flat.push_back(t.reshape({-1}));
     at::Tensor in = at::cat(flat);
@@ -498,7 +590,7 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::reduce_scatter(std::vector<at::Tenso
 }
 
 c10::intrusive_ptr<c10d::Work> ParoBackend::barrier(const c10d::BarrierOptions& /*opts*/) {
-  return enqueue(c10d::OpType::BARRIER, {}, [this] {
+  return enqueue(c10d::OpType::BARRIER, "paro:barrier", {}, {}, [this] {
     at::Tensor none = at::empty({0});
     run(CollectiveOp::Barrier, none, none, 0, 0, c10d::ReduceOp(c10d::ReduceOp::SUM));
   });
@@ -511,7 +603,7 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::all_to_all_single(at::Tensor& output
                                                               const c10d::AllToAllOptions& opts) {
   at::Tensor o = output, i = input;
   std::vector<int64_t> os = outputSplits, is = inputSplits;
-  return enqueue(c10d::OpType::ALLTOALL_BASE, {output}, [this, o, i, os, is, opts]() mutable {
+  return enqueue(c10d::OpType::ALLTOALL_BASE, "paro:all_to_all_single", {input}, {output}, [this, o, i, os, is, opts]() mutable {
     ops_[2] += 1;
     at::Tensor bo = borrowed(o), bi = borrowed(i);
     flat_->all_to_all_single(bo, bi, os, is, opts)->wait();
@@ -522,7 +614,7 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::alltoall(std::vector<at::Tensor>& ou
                                                      std::vector<at::Tensor>& inputs,
                                                      const c10d::AllToAllOptions& opts) {
   std::vector<at::Tensor> o = outputs, i = inputs;
-  return enqueue(c10d::OpType::ALLTOALL, outputs, [this, o, i, opts]() mutable {
+  return enqueue(c10d::OpType::ALLTOALL, "paro:all_to_all", inputs, outputs, [this, o, i, opts]() mutable {
     ops_[2] += 1;
     std::vector<at::Tensor> bo = borrowed(o), bi = borrowed(i);
     flat_->alltoall(bo, bi, opts)->wait();
@@ -534,10 +626,9 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::gather(std::vector<std::vector<at::T
                                                    const c10d::GatherOptions& opts) {
   std::vector<std::vector<at::Tensor>> o = outputs;
   std::vector<at::Tensor> i = inputs;
-  return enqueue(c10d::OpType::GATHER, inputs, [this, o, i, opts]() mutable {
+  return enqueue(c10d::OpType::GATHER, "paro:gather", inputs, inputs, [this, o, i, opts]() mutable {
     ops_[2] += 1;
-    std::vector<std::vector<at::Tensor>> bo;
-    for (const auto& v : o) bo.push_back(borrowed(v));
+    std::vector<std::vector<at::Tensor>> bo = borrowed(o);
     std::vector<at::Tensor> bi = borrowed(i);
     flat_->gather(bo, bi, opts)->wait();
   });
@@ -548,11 +639,10 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::scatter(std::vector<at::Tensor>& out
                                                     const c10d::ScatterOptions& opts) {
   std::vector<at::Tensor> o = outputs;
   std::vector<std::vector<at::Tensor>> i = inputs;
-  return enqueue(c10d::OpType::SCATTER, outputs, [this, o, i, opts]() mutable {
+  return enqueue(c10d::OpType::SCATTER, "paro:scatter", inputs.empty() ? std::vector<at::Tensor>{} : inputs[0], outputs, [this, o, i, opts]() mutable {
     ops_[2] += 1;
     std::vector<at::Tensor> bo = borrowed(o);
-    std::vector<std::vector<at::Tensor>> bi;
-    for (const auto& v : i) bi.push_back(borrowed(v));
+    std::vector<std::vector<at::Tensor>> bi = borrowed(i);
     flat_->scatter(bo, bi, opts)->wait();
   });
 }

@@ -20,19 +20,23 @@ constexpr const char* kParoBackendName = "paro";
 
 class ParoBackend : public c10d::Backend {
  public:
-  // Work that completes when the backend's worker has run the whole plan.
+  // Work that completes when the backend's worker has run the whole plan. While torch.profiler records, it is an
+  // async event named `title` ("paro:all_reduce") with the input tensors and the sequence number as inputs.
   class ParoWork : public c10d::Work {
    public:
-    ParoWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs);
+    ParoWork(int rank, c10d::OpType type, const char* title, const std::vector<at::Tensor>& inputs,
+             std::vector<at::Tensor> outputs, uint64_t seq);
     bool isCompleted() override;
     bool isSuccess() const override;
     bool wait(std::chrono::milliseconds timeout) override;
     c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+    uint64_t getSequencenumber() const override { return seq_; }
     void complete(std::exception_ptr error);
 
    private:
     std::vector<at::Tensor> outputs_;
     c10::intrusive_ptr<c10::ivalue::Future> future_;
+    uint64_t seq_;
   };
 
   ParoBackend(const Shape& shape, c10::intrusive_ptr<c10d::Backend> intra,
@@ -40,6 +44,8 @@ class ParoBackend : public c10d::Backend {
   ~ParoBackend() override;
 
   const std::string getBackendName() const override { return kParoBackendName; }
+  // Collectives issued so far, which is the last one's number (they count from 1); equal on every rank in step.
+  uint64_t getSequenceNumberForGroup() override { return seq_.load(); }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;
@@ -90,15 +96,17 @@ class ParoBackend : public c10d::Backend {
 
  private:
   // Gathers input i into outputs[i][0..size) (allgather's layout), for allgather and allgather_coalesced.
-  c10::intrusive_ptr<c10d::Work> allgather_lists(const std::vector<std::vector<at::Tensor>>& outputs,
+  c10::intrusive_ptr<c10d::Work> allgather_lists(const char* title, const std::vector<std::vector<at::Tensor>>& outputs,
                                                  const std::vector<at::Tensor>& inputs);
-  // Runs `fn` on the worker thread after every earlier request; the Work completes when it returns.
-  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, std::vector<at::Tensor> outputs,
-                                         std::function<void()> fn);
+  // Runs `fn` on the worker thread after every earlier request; the Work completes when it returns. `title` names
+  // the collective in profiler traces and error messages; `inputs` are recorded with it.
+  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* title, const std::vector<at::Tensor>& inputs,
+                                         std::vector<at::Tensor> outputs, std::function<void()> fn);
   // Plans one collective with the Rust planner and executes it (worker thread only).
   void run(CollectiveOp op, const at::Tensor& input, const at::Tensor& output, int64_t numel, int64_t root,
            const c10d::ReduceOp& reduce_op);
   c10d::Backend& level(Level l) const;
+  struct Task;
   struct Queue;
   // The worker thread's loop. It owns the queue (a shared_ptr), not the backend, so that a backend destroyed
   // from a completion callback on the worker itself leaves the loop nothing freed to touch.
@@ -108,6 +116,7 @@ class ParoBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> intra_, inter_, flat_;
   std::array<std::atomic<std::uint64_t>, 3> bytes_{};
   std::array<std::atomic<std::uint64_t>, 3> ops_{};
+  std::atomic<std::uint64_t> seq_{0};
 
   std::shared_ptr<Queue> queue_;
   std::thread worker_;

@@ -6,7 +6,10 @@
 is a LlamaForCausalLM from a small config (random weights, nothing downloaded) trained on the bytes of this
 repository's documentation. Each step prints the loss, the step time and the bytes this rank sent inside its
 group (intra) and between groups (inter), as counted by the `paro` backend. ``--checkpoint DIR`` saves a
-sharded checkpoint at the end and resumes from it when it exists (at any world size and strategy).
+sharded checkpoint at the end (and every ``--save-every`` steps) and resumes from it when it exists, at any world
+size and strategy. Batches depend only on the step and the rank, so a resumed run trains exactly as an
+uninterrupted one; under ``torchrun --max-restarts 1`` a job whose rank died resumes by itself (with torch 2.15, set
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun: otherwise a restarted attempt reads the dead one's addresses).
 """
 
 import argparse
@@ -21,7 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from paro_torch import ParoShardedModule
-from paro_torch.checkpoint import load_checkpoint, save_checkpoint
+from paro_torch.checkpoint import load_checkpoint, read_extra, save_checkpoint
 
 
 def corpus() -> torch.Tensor:
@@ -41,6 +44,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--checkpoint", type=Path, help="a directory: resume from it if it exists, save at the end")
+    parser.add_argument("--save-every", type=int, default=0, help="also save the checkpoint every N steps")
     args = parser.parse_args()
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -64,16 +68,20 @@ def main() -> None:
         grad_accum=args.grad_accum,  # for strategy="auto": the cost model weighs per-micro-step traffic by it
     )
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    first = 0
     if args.checkpoint is not None and args.checkpoint.exists():
         load_checkpoint(args.checkpoint, model, opt)
+        first = read_extra(args.checkpoint).get("step", -1) + 1
+        if rank == 0:
+            print(f"resumed from {args.checkpoint} at step {first}")
     data = corpus()
-    gen = torch.Generator().manual_seed(rank)
     if rank == 0:
         g = model.groups
         print(f"{model.strategy.code} on {world} ranks = {g.num_groups} groups x {g.group_size}; "
               f"{sum(p.numel() for p in model.parameters())} parameters in this rank's optimizer shard")  # fmt: skip
-    bar = tqdm(range(args.steps), desc="train", disable=rank != 0, dynamic_ncols=True)
+    bar = tqdm(range(first, args.steps), desc="train", disable=rank != 0, dynamic_ncols=True)
     for step in bar:
+        gen = torch.Generator().manual_seed(step * world + rank)  # this step's batches, also after a resume
         model.reset_comm_bytes()
         start = time.perf_counter()
         total = torch.zeros(())
@@ -96,10 +104,11 @@ def main() -> None:
         if rank == 0:
             bar.write(f"step {step:3d}  loss {total.item() / world:.4f}  {elapsed:.2f}s  "
                       f"intra {intra / 1e6:.2f} MB  inter {inter / 1e6:.3f} MB")  # fmt: skip
-    if args.checkpoint is not None:
-        save_checkpoint(args.checkpoint, model, opt)
-        if rank == 0:
-            print(f"saved {args.checkpoint}")
+        last = step == args.steps - 1
+        if args.checkpoint is not None and (last or (args.save_every and (step + 1) % args.save_every == 0)):
+            save_checkpoint(args.checkpoint, model, opt, extra={"step": step})
+            if rank == 0:
+                bar.write(f"saved {args.checkpoint} after step {step}")
     dist.destroy_process_group()
 
 

@@ -57,6 +57,23 @@ def test_a_dead_rank_ends_the_job_with_an_error(mode: str) -> None:
     assert time.monotonic() - start < 100
 
 
+def test_collectives_appear_in_the_profiler_with_sizes_level_and_sequence_number() -> None:
+    assert_ok(launch("observability.py", 4, env={"PARO_GROUP_SIZE": "2"}, args=("trace",)))
+
+
+@pytest.mark.parametrize("debug", ["OFF", "DETAIL"])
+def test_the_error_of_a_desynchronised_rank_tells_it_apart(debug: str) -> None:
+    env = {"PARO_GROUP_SIZE": "2", "TORCH_DISTRIBUTED_DEBUG": debug}
+    results = launch("observability.py", 4, env=env, args=("desync",), timeout=120)
+    for r in results:
+        assert r.returncode == 0, r.output[-2000:]
+        if debug == "DETAIL":  # torch's checker (needs the group's sequence number) names the mismatch
+            assert "Detected mismatch between collectives" in r.output and "_ALLGATHER_BASE" in r.output, r.output
+        else:  # each rank's error names its own collective and its number: rank 1's differs
+            op = "all_gather_into_tensor" if r.rank == 1 else "all_reduce"
+            assert f"paro: {op} #2 (1000 elements of Float) on rank {r.rank} of 4 failed" in r.output, r.output
+
+
 def test_torchrun_finds_the_backend_through_its_entry_point() -> None:
     env = dict(os.environ, PARO_GROUP_SIZE="2", OMP_NUM_THREADS="1")
     cmd = [
