@@ -184,6 +184,7 @@ class System:
         self.extra["links"] = _asdict(links)
         self.extra["predicted"] = {
             "time_s": mine["time_s"],
+            "step": mine["step"],
             "intra_bytes_per_rank": mine["intra_bytes"],
             "inter_bytes_per_rank": mine["inter_bytes"],
             "memory_total_per_rank": mine["memory"]["total"],

@@ -16,7 +16,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"{_plural(report['grad_accum'], 'micro-step')} per step",
         "",
     ]
-    header = ("strategy", "known as", "memory/rank", "intra/step", "inter/step", "comm/step", "fits")
+    header = ("strategy", "known as", "memory/rank", "intra/step", "inter/step", "comm", "step", "compute",
+              "exposed", "optimizer", "fits")  # fmt: skip
     rows = [
         (
             s["code"],
@@ -25,6 +26,10 @@ def format_report(report: dict[str, Any]) -> str:
             _scaled(s["intra_bytes"], "B"),
             _scaled(s["inter_bytes"], "B"),
             _seconds(s["time_s"]),
+            _seconds(s["step"]["step_s"]),
+            _seconds(s["step"]["compute_s"]),
+            _seconds(_exposed(s["step"])),
+            _seconds(s["step"]["optimizer_s"]),
             "yes" if s["fits"] else "no",
         )
         for s in report["strategies"]
@@ -34,9 +39,18 @@ def format_report(report: dict[str, Any]) -> str:
         cells = [cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))]
         lines.append("  ".join(cells).rstrip())
     lines.append("")
+    lines.append(
+        "comm: all collectives of a step one after another; step: predicted step time = compute + exposed "
+        "communication (what compute waits for) + optimizer"
+    )
     lines.append(f"auto: {report['reason']}")
     lines.extend(f"note: {note}" for note in report["notes"])
     return "\n".join(lines)
+
+
+def _exposed(step: dict[str, float]) -> float:
+    """Communication compute waits for, all levels."""
+    return step["exposed_intra_s"] + step["exposed_inter_s"] + step["exposed_global_s"]
 
 
 def _scaled(value: float, unit: str) -> str:
@@ -56,6 +70,8 @@ def _plural(count: int, noun: str) -> str:
 
 def _seconds(t: float) -> str:
     """Seconds with a unit that keeps about three significant digits."""
+    if t == 0:
+        return "0"
     if t >= 1:
         return f"{t:.2f} s"
     if t >= 1e-3:

@@ -59,10 +59,11 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     plan = commands.add_parser(
         "plan",
-        help="estimate memory and communication of every strategy and pick one",
+        help="estimate memory, communication and step time of every strategy and pick one",
         description=(
-            "Estimates, for each of the 14 PaRO strategies, the memory per rank and the communication per training "
-            "step (bytes and predicted time), and names the strategy `auto` picks: the fastest that fits."
+            "Estimates, for each of the 14 PaRO strategies, the memory per rank, the communication per training "
+            "step and the predicted step time (compute, exposed communication, optimizer), and names the strategy "
+            "`auto` picks: the fastest that fits."
         ),
     )
     model = plan.add_mutually_exclusive_group(required=True)
@@ -85,15 +86,23 @@ def _parser() -> argparse.ArgumentParser:
     ranks.add_argument("--nodes", metavar="N", type=int, default=1, help="number of groups; world = nodes x group size")
     ranks.add_argument("--world", metavar="N", type=int, help="total number of ranks, instead of --nodes")
     plan.add_argument("--group-size", metavar="M", type=int, default=8, help="ranks per group (default 8)")
-    plan.add_argument("--gpu-memory", metavar="GB", type=float, default=80.0, help="memory per rank (default 80)")
     plan.add_argument(
-        "--intra-bandwidth", metavar="GB/S", type=float, default=150.0, help="per rank, inside a group (default 150)"
+        "--gpu",
+        choices=_C.GPU_PRESETS,
+        default="a100",
+        help="GPU class: its memory, NVLink bandwidth, bf16 compute and optimizer speed (default a100)",
     )
     plan.add_argument(
-        "--inter-bandwidth", metavar="GB/S", type=float, default=12.5, help="per rank, across groups (default 12.5)"
+        "--inter-gbit", metavar="GBIT/S", type=float, default=100.0, help="per GPU between groups (default 100)"
     )
-    plan.add_argument("--intra-latency", metavar="US", type=float, default=5.0, help="per ring step, µs (default 5)")
-    plan.add_argument("--inter-latency", metavar="US", type=float, default=20.0, help="per ring step, µs (default 20)")
+    plan.add_argument(
+        "--efficiency", metavar="F", type=float, default=0.5, help="fraction of the bf16 peak reached (default 0.5)"
+    )
+    plan.add_argument("--gpu-memory", metavar="GB", type=float, help="memory per rank (default: the GPU's)")
+    plan.add_argument("--intra-bandwidth", metavar="GB/S", type=float, help="per rank, inside a group")
+    plan.add_argument("--inter-bandwidth", metavar="GB/S", type=float, help="per rank, across groups")
+    plan.add_argument("--intra-latency", metavar="US", type=float, help="per ring step, µs (default 5)")
+    plan.add_argument("--inter-latency", metavar="US", type=float, help="per ring step, µs (default 20)")
     plan.add_argument("--micro-batch", metavar="B", type=int, help="sequences per micro-step per rank")
     plan.add_argument("--seq-len", metavar="S", type=int, help="tokens per sequence")
     plan.add_argument("--grad-accum", metavar="A", type=int, help="micro-steps per optimizer step")
@@ -140,17 +149,22 @@ def _request(args: argparse.Namespace) -> dict[str, Any]:
         if args.blocks is not None:
             model["num_blocks"] = args.blocks
     world = args.world if args.world is not None else args.nodes * args.group_size
+    for name, value in (("world", world), ("group size", args.group_size)):
+        if value < 0:
+            raise CliError(f"{name} must not be negative")
+    cluster = json.loads(_C.gpu_cluster(args.gpu, world, args.group_size, args.inter_gbit, args.efficiency))
+    for key, value, unit in (
+        ("memory_bytes", args.gpu_memory, GB),
+        ("intra_bandwidth", args.intra_bandwidth, GB),
+        ("inter_bandwidth", args.inter_bandwidth, GB),
+        ("intra_latency", args.intra_latency, 1e-6),
+        ("inter_latency", args.inter_latency, 1e-6),
+    ):
+        if value is not None:
+            cluster[key] = round(value * unit) if key == "memory_bytes" else value * unit
     request: dict[str, Any] = {
         "model": model,
-        "cluster": {
-            "world": world,
-            "group_size": args.group_size,
-            "intra_bandwidth": args.intra_bandwidth * GB,
-            "inter_bandwidth": args.inter_bandwidth * GB,
-            "intra_latency": args.intra_latency * 1e-6,
-            "inter_latency": args.inter_latency * 1e-6,
-            "memory_bytes": round(args.gpu_memory * GB),
-        },
+        "cluster": cluster,
         "training": {
             key: value
             for key, value in (
@@ -167,9 +181,6 @@ def _request(args: argparse.Namespace) -> dict[str, Any]:
         request["trainable"] = args.trainable
     if args.strategies is not None:
         request["strategies"] = [name.strip() for name in args.strategies.split(",") if name.strip()]
-    for name in ("world", "group_size"):
-        if request["cluster"][name] < 0:
-            raise CliError(f"{name.replace('_', ' ')} must not be negative")
     return request
 
 

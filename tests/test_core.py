@@ -74,7 +74,7 @@ def test_subgroup_shapes() -> None:
 def test_plan_bytes_for_a_ring_all_gather() -> None:
     # S = 8 ranks x 16 elements x 4 bytes; inter (g-1)/g*S/m, intra (m-1)/m*S per rank
     plan = json.loads(_C.describe_plan("all_gather", 8, 4, 5, 16))
-    inter = sum(s["bytes"] for s in plan["steps"] if s["level"] == "Inter")
-    intra = sum(s["bytes"] for s in plan["steps"] if s["level"] == "Intra")
+    inter = sum(s["bytes"] for s in plan["steps"] if s["level"] == "inter")
+    intra = sum(s["bytes"] for s in plan["steps"] if s["level"] == "intra")
     s = 8 * 16 * 4
     assert (inter, intra) == (s // 2 // 4, 3 * s // 4)

@@ -4,6 +4,7 @@
 //! ranks (granularity G); *inter* traffic runs between groups among ranks of equal local rank (a rail).
 //! `p`, `g`, `os` name the parameters, gradients and optimizer states.
 
+pub mod comm;
 pub mod cost;
 pub mod error;
 pub mod layout;
@@ -12,6 +13,7 @@ pub mod planner;
 pub mod strategy;
 pub mod topology;
 
+pub use comm::{Collective, Level};
 pub use error::{ParoError, Result};
 pub use strategy::{Granularity, Strategy};
 pub use topology::Topology;

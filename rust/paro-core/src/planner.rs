@@ -16,19 +16,9 @@
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::comm::{Collective, Level};
 use crate::error::{ParoError, Result};
 use crate::topology::Topology;
-
-/// Which sub-communicator a step runs on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum Level {
-    /// The m ranks of this rank's group (fast links).
-    Intra,
-    /// The g ranks with this rank's local rank, one per group (slow links, one rail).
-    Inter,
-    /// All ranks of the process group, no hierarchy.
-    Flat,
-}
 
 /// A buffer a step reads or writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -131,23 +121,6 @@ pub struct Step {
     pub bytes: u64,
 }
 
-/// The collectives the planner knows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Collective {
-    /// Each rank contributes `numel`, everyone gets `world · numel` in rank order.
-    AllGather,
-    /// Each rank contributes `world · numel`, rank i gets the reduction of block i (`numel`).
-    ReduceScatter,
-    /// `numel` elements reduced in place on every rank.
-    AllReduce,
-    /// `numel` elements from `root` to every rank.
-    Broadcast,
-    /// `numel` elements reduced onto `root`.
-    Reduce,
-    /// No data.
-    Barrier,
-}
-
 /// How messages are cut into chunks to pipeline the levels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChunkPolicy {
@@ -155,6 +128,13 @@ pub struct ChunkPolicy {
     pub chunk_bytes: u64,
     /// Upper bound on the chunk count (1 = phases run one after the other).
     pub max_chunks: u32,
+}
+
+impl ChunkPolicy {
+    /// Chunks of a message of `bytes` bytes: ceil(bytes / chunk_bytes), between 1 and `max_chunks`.
+    pub fn count(&self, bytes: u64) -> u64 {
+        bytes.div_ceil(self.chunk_bytes.max(1)).clamp(1, u64::from(self.max_chunks.max(1)))
+    }
 }
 
 impl Default for ChunkPolicy {
@@ -211,8 +191,7 @@ fn split_chunks(numel: u64, elem_size: u64, policy: ChunkPolicy) -> Vec<(u64, u6
         return Vec::new();
     }
     let bytes = numel.saturating_mul(elem_size.max(1));
-    let wanted = bytes.div_ceil(policy.chunk_bytes.max(1));
-    let count = wanted.clamp(1, u64::from(policy.max_chunks.max(1))).min(numel);
+    let count = policy.count(bytes).min(numel);
     let base = numel / count;
     let extra = numel % count;
     let mut out = Vec::with_capacity(count as usize);
@@ -241,7 +220,7 @@ struct Builder {
 
 impl Builder {
     fn local(&mut self, stage: u32, kind: Kind, src: Region, dst: Region) {
-        self.steps.push(Step { stage, kind, level: Level::Flat, src, dst, root: 0, bytes: 0 });
+        self.steps.push(Step { stage, kind, level: Level::Global, src, dst, root: 0, bytes: 0 });
     }
 
     /// An all-gather among `size` ranks at `level`, or a copy when the level has one rank.
@@ -313,7 +292,7 @@ pub fn plan(req: &Request) -> Result<Plan> {
         return Err(ParoError::Invalid(format!("root rank {} is out of range for {} ranks", req.root, req.world)));
     }
     let flat = req.topology.is_none();
-    let (intra, inter) = if flat { (Level::Flat, Level::Flat) } else { (Level::Intra, Level::Inter) };
+    let (intra, inter) = if flat { (Level::Global, Level::Global) } else { (Level::Intra, Level::Inter) };
     let g = topo.num_groups() as u64;
     let m = topo.group_size as u64;
     let k = topo.group_of(req.rank) as u64;
@@ -352,7 +331,7 @@ pub fn plan(req: &Request) -> Result<Plan> {
             b.steps.push(Step {
                 stage: 0,
                 kind: Kind::Barrier,
-                level: Level::Flat,
+                level: Level::Global,
                 src: none,
                 dst: none,
                 root: 0,

@@ -48,7 +48,7 @@ fn contiguous(r: &Region) -> bool {
 /// (level, which sub-communicator, my index in it, its size)
 fn member(t: Topology, flat: bool, rank: usize, level: Level) -> (Level, usize, usize) {
     match level {
-        Level::Flat => (level, 0, rank),
+        Level::Global => (level, 0, rank),
         _ if flat => panic!("hierarchical level in a flat plan"),
         Level::Intra => (level, t.group_of(rank), t.local_rank(rank)),
         Level::Inter => (level, t.local_rank(rank), t.group_of(rank)),
@@ -126,13 +126,13 @@ fn simulate(
             assert_eq!(counts.len(), 1, "members of {level:?}/{id} issued different numbers of steps");
             let global = |idx: usize| -> usize {
                 match level {
-                    Level::Flat => idx,
+                    Level::Global => idx,
                     Level::Intra => id * t.group_size + idx,
                     Level::Inter => idx * t.group_size + id,
                 }
             };
             let expected_size = match level {
-                Level::Flat => n,
+                Level::Global => n,
                 Level::Intra => t.group_size,
                 Level::Inter => t.num_groups(),
             };

@@ -166,7 +166,7 @@ fn make_plan(op: CollectiveOp, shape: &Shape, numel: u64, elem_size: u64, root: 
                 level: match s.level {
                     CoreLevel::Intra => Level::Intra,
                     CoreLevel::Inter => Level::Inter,
-                    CoreLevel::Flat => Level::Flat,
+                    CoreLevel::Global => Level::Flat,
                 },
                 src: region(&s.src),
                 dst: region(&s.dst),

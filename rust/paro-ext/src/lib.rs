@@ -194,10 +194,19 @@ fn describe_plan(
     serde_json::to_string(&plan).map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
-/// Runs the cost model: a Request as JSON in, a Report as JSON out (see paro-core cost.rs).
+/// Runs the cost model: a Request as JSON in, a Report as JSON out (see paro-core cost/mod.rs).
 #[pyfunction]
 fn estimate(request: &str) -> PyResult<String> {
     paro_core::cost::estimate_json(request).map_err(to_py)
+}
+
+/// The cost model's cluster (JSON) of `world` GPUs of a preset class (a100, h100, h800) in groups of
+/// `group_size`, `inter_gbit` Gbit/s per GPU between groups, computing at `efficiency` of the bf16 peak.
+#[pyfunction]
+fn gpu_cluster(name: &str, world: usize, group_size: usize, inter_gbit: f64, efficiency: f64) -> PyResult<String> {
+    let preset = paro_core::cost::GpuPreset::named(name).map_err(to_py)?;
+    let cluster = preset.cluster(world, group_size, inter_gbit, efficiency).map_err(to_py)?;
+    serde_json::to_string(&cluster).map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
 /// Builds the C++ `paro` Backend over Gloo/NCCL sub-backends (intra and inter may be None).
@@ -260,6 +269,9 @@ fn _C(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyRowLayout>()?;
     m.add_function(wrap_pyfunction!(describe_plan, m)?)?;
     m.add_function(wrap_pyfunction!(estimate, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu_cluster, m)?)?;
+    let gpus: Vec<&str> = paro_core::cost::GPU_PRESETS.iter().map(|p| p.name).collect();
+    m.add("GPU_PRESETS", gpus)?;
     m.add_function(wrap_pyfunction!(create_backend, m)?)?;
     m.add_function(wrap_pyfunction!(backend_stats, m)?)?;
     m.add_function(wrap_pyfunction!(reset_backend_stats, m)?)?;

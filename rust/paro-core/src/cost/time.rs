@@ -1,0 +1,77 @@
+//! Time of the parts of a step: a collective call (α–β per level; the two levels of a hierarchical call run
+//! pipelined on chunks, as the paro backend runs them), a unit's forward and backward (FLOPs over the rank's
+//! throughput) and the optimizer step (the os shard over the optimizer's throughput).
+
+use super::traffic::{Call, Traffic};
+use super::Context;
+use crate::comm::{Collective, Level};
+use crate::planner::ChunkPolicy;
+
+/// FLOPs of one unit in one micro-step.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(super) struct UnitFlops {
+    pub forward: f64,
+    /// Backward, with the recomputed forward when activations are checkpointed.
+    pub backward: f64,
+}
+
+impl Context<'_> {
+    /// Seconds of the intra-group and the inter-group part of some traffic.
+    pub(super) fn level_seconds(&self, t: &Traffic) -> (f64, f64) {
+        let c = &self.req.cluster;
+        (
+            t.intra_hops as f64 * c.intra_latency + t.timed_intra as f64 / c.intra_bandwidth,
+            t.inter_hops as f64 * c.inter_latency + t.timed_inter as f64 / c.inter_bandwidth,
+        )
+    }
+
+    /// Seconds of one call. A hierarchical global call cuts its per-rank message into the backend's chunks
+    /// (`ChunkPolicy::count`) so that one level works on chunk k+1 while the other works on chunk k: the slower
+    /// level's time plus one chunk of the faster one.
+    pub(super) fn call_seconds(&self, c: &Call) -> f64 {
+        let (a, b) = self.level_seconds(&c.traffic);
+        if a == 0.0 || b == 0.0 || c.level != Level::Global {
+            return a + b;
+        }
+        let per_rank = if c.op == Collective::AllReduce { c.payload } else { c.payload / self.n };
+        let chunks = ChunkPolicy::default().count(per_rank) as f64;
+        a.max(b) + a.min(b) / chunks
+    }
+
+    /// Seconds of `flops` on this rank; 0 when the request gives no throughput.
+    pub(super) fn compute_seconds(&self, flops: f64) -> f64 {
+        self.req.cluster.compute_flops.map_or(0.0, |rate| flops / rate)
+    }
+
+    /// Seconds of the optimizer step on `params` parameters; 0 when the request gives no throughput.
+    pub(super) fn optimizer_seconds(&self, params: u64) -> f64 {
+        self.req.cluster.optimizer_params_per_s.map_or(0.0, |rate| params as f64 / rate)
+    }
+
+    /// FLOPs of unit `u` per micro-step: 2 per parameter and token forward; backward the same for the
+    /// activation gradients plus 2 per trainable parameter and token for the weight gradients; attention
+    /// 4·s·h per token and layer forward, twice that backward (Megatron-LM's count); with checkpointing the
+    /// layers' forward once more in backward. A shaped model's embedding costs nothing; a model given as
+    /// blocks counts every block as matrix products.
+    pub(super) fn unit_flops(&self, u: usize) -> UnitFlops {
+        let t = &self.req.training;
+        let tokens = (t.micro_batch * t.seq_len) as f64;
+        let b = &self.blocks[u];
+        let (matmul, attention, recomputed) = match &self.shape {
+            Some(_) if u == 0 => (0.0, 0.0, false),
+            Some(shape) if u + 1 == self.blocks.len() => ((shape.vocab_size * shape.hidden_size) as f64, 0.0, false),
+            Some(shape) => {
+                let norms = 2 * shape.hidden_size;
+                ((b.numel - norms) as f64, (4 * t.seq_len * shape.hidden_size) as f64, true)
+            }
+            None => (b.numel as f64, 0.0, true),
+        };
+        let trainable = if b.numel == 0 { 0.0 } else { b.trainable as f64 / b.numel as f64 };
+        let forward = tokens * (2.0 * matmul + attention);
+        let mut backward = tokens * (2.0 * matmul + 2.0 * trainable * matmul + 2.0 * attention);
+        if t.activation_checkpointing && recomputed {
+            backward += forward;
+        }
+        UnitFlops { forward, backward }
+    }
+}
