@@ -62,7 +62,7 @@ pub(super) fn block_sizes(b: &Block, n: u64, m: u64) -> Result<[(u64, u64); 3]> 
 }
 
 /// A buffer of `numel` elements padded up to a multiple of the world size n: ⌈numel/n⌉·n.
-pub fn padded_numel(numel: u64, world: u64) -> Result<u64> {
+pub(super) fn padded_numel(numel: u64, world: u64) -> Result<u64> {
     if world == 0 {
         return Err(ParoError::Topology("world size must be at least 1".into()));
     }

@@ -18,7 +18,7 @@ mod traffic;
 
 use serde::{Deserialize, Serialize};
 
-pub use memory::{padded_numel, Memory};
+pub use memory::Memory;
 pub use presets::{GpuPreset, GPU_PRESETS};
 pub use request::{Cluster, CollectiveAlgorithm, Request, Selection, Training, MAX_WORLD};
 pub use schedule::StepTime;

@@ -1,5 +1,6 @@
 //! Unit and property tests of the cost model.
 
+use super::memory::padded_numel;
 use super::*;
 use crate::comm::{Collective, Level};
 use crate::model::Block;
