@@ -1,8 +1,9 @@
-"""``strategy="auto"``: measure the links, ask the Rust cost model, agree on one strategy on every rank.
+"""``strategy="auto"``: measure the links and the rank, ask the Rust cost model, agree on one strategy on every rank.
 
 The probe times all-gathers of two sizes on the intra-group and the inter-group communicator (a few
-milliseconds on CPU): the small one gives the latency per ring step, the difference gives the bandwidth.
-Rank 0 decides; every rank uses its decision.
+milliseconds on CPU): the small one gives the latency per ring step, the difference gives the bandwidth. It also
+times a matrix product (the rank's compute throughput) and an AdamW step (the optimizer's). Rank 0 decides; every
+rank uses its decision.
 """
 
 from __future__ import annotations
@@ -28,12 +29,16 @@ _NO_LINK = 1e15  # bandwidth of a level that has a single rank (nothing crosses 
 
 @dataclass(frozen=True)
 class LinkCalibration:
-    """Measured per-rank bandwidth (bytes/s) and per-step latency (s) of both levels."""
+    """Measured per-rank bandwidth (bytes/s) and per-step latency (s) of both levels, and the rank's throughputs."""
 
     intra_bandwidth: float
     inter_bandwidth: float
     intra_latency: float
     inter_latency: float
+    compute_flops: float | None = None
+    """Matrix-product throughput of one rank, FLOP/s (None: not measured)."""
+    optimizer_params_per_s: float | None = None
+    """Parameters an AdamW step updates per second on one rank (None: not measured)."""
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Writes the figures as JSON (reuse them with ``PARO_CALIBRATION=path``)."""
@@ -75,15 +80,52 @@ def _level(pg: dist.ProcessGroup | None, small: int, large: int, repeats: int) -
     return bandwidth, t_small / steps
 
 
+def _best_seconds(fn: Any, repeats: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return max(best, 1e-9)
+
+
+def measure_throughputs(device: torch.device, repeats: int = 3) -> tuple[float, float]:
+    """(FLOP/s of a 256 x 256 float32 matrix product, parameters/s of an AdamW step on 2^18 parameters)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a = torch.randn(256, 256, device=device)
+
+    def matmul() -> None:
+        a @ a
+        sync()
+
+    flops = 2 * 256**3 / _best_seconds(matmul, repeats)
+    p = torch.nn.Parameter(torch.zeros(1 << 18, device=device))
+    p.grad = torch.zeros_like(p)
+    opt = torch.optim.AdamW([p])
+
+    def step() -> None:
+        opt.step()
+        sync()
+
+    return flops, (1 << 18) / _best_seconds(step, repeats)
+
+
 def measure_links(groups: ParoGroups, small: int = 4 << 10, large: int = 1 << 20, repeats: int = 3) -> LinkCalibration:
-    """Measures both levels; every rank returns the same (slowest-rank) figures."""
+    """Measures both levels and this rank's throughputs; every rank returns the same (slowest-rank) figures."""
     intra_bw, intra_lat = _level(groups.intra, small, large, repeats)
     inter_bw, inter_lat = _level(groups.inter, small, large, repeats)
-    # agree on the pessimistic figures: max latency, min bandwidth over ranks
-    t = torch.tensor([intra_lat, inter_lat, -intra_bw, -inter_bw], dtype=torch.float64)
+    flops, params_per_s = measure_throughputs(torch.device("cpu"), repeats)
+    # agree on the pessimistic figures: max latency, min bandwidth and throughput over ranks
+    t = torch.tensor([intra_lat, inter_lat, -intra_bw, -inter_bw, -flops, -params_per_s], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups.whole)
     return LinkCalibration(
-        intra_bandwidth=float(-t[2]), inter_bandwidth=float(-t[3]), intra_latency=float(t[0]), inter_latency=float(t[1])
+        intra_bandwidth=float(-t[2]),
+        inter_bandwidth=float(-t[3]),
+        intra_latency=float(t[0]),
+        inter_latency=float(t[1]),
+        compute_flops=float(-t[4]),
+        optimizer_params_per_s=float(-t[5]),
     )
 
 
@@ -111,11 +153,14 @@ def choose_strategy(
     memory_budget: int,
     grad_accum: int,
     sizes: dict[str, int],
+    tokens_per_micro_step: int | None = None,
     only: str | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """Rank 0 asks the cost model for the fastest strategy that fits; every rank gets the same answer.
 
-    With ``only``, checks that this one strategy fits instead of choosing.
+    With ``tokens_per_micro_step`` (and a measured compute throughput) the predicted step includes compute, which
+    hides communication; without it, the step is the communication schedule alone. With ``only``, checks that this
+    one strategy fits instead of choosing.
 
     Raises:
         ValueError: nothing (or ``only``) fits the memory budget, raised on every rank, with what it needs.
@@ -134,6 +179,11 @@ def choose_strategy(
         "training": {"grad_accum": grad_accum, **sizes},
         "collectives": "hierarchical",
     }
+    if links.optimizer_params_per_s is not None:
+        request["cluster"]["optimizer_params_per_s"] = links.optimizer_params_per_s
+    if tokens_per_micro_step is not None and links.compute_flops is not None:
+        request["cluster"]["compute_flops"] = links.compute_flops
+        request["training"].update(micro_batch=1, seq_len=tokens_per_micro_step)
     if only is not None:
         request["strategies"] = [only]
     report = json.loads(_C.estimate(json.dumps(request)))

@@ -172,7 +172,10 @@ class ParoShardedModule(nn.Module):
         memory_budget: Bytes per rank for model states (auto, and a check for an explicit strategy);
             default: the GPU's free memory, or the host's memory shared by one group's ranks.
         grad_accum: Micro-steps per optimizer step, for the cost model.
-        calibration: Link figures for auto (a LinkCalibration or a JSON path; also PARO_CALIBRATION).
+        tokens_per_micro_step: Tokens (batch x sequence) one rank processes per micro-step, for the cost model:
+            with it, auto's predicted step includes the compute that hides communication.
+        calibration: Link and throughput figures for auto (a LinkCalibration or a JSON path; also
+            PARO_CALIBRATION).
         sync_module_states: Broadcast rank 0's parameters and buffers (as DDP does; unit by unit), so that ranks
             that built the model with different seeds train one model.
         broadcast_buffers: Before each training forward, make the buffers (e.g. BatchNorm statistics) rank 0's,
@@ -199,6 +202,7 @@ class ParoShardedModule(nn.Module):
         mixed_precision: MixedPrecisionPolicy | None = None,
         memory_budget: int | None = None,
         grad_accum: int = 1,
+        tokens_per_micro_step: int | None = None,
         calibration: LinkCalibration | str | None = None,
         sync_module_states: bool = True,
         broadcast_buffers: bool = True,
@@ -241,6 +245,7 @@ class ParoShardedModule(nn.Module):
                 memory_budget=budget,
                 grad_accum=grad_accum,
                 sizes=self.precision.bytes(),
+                tokens_per_micro_step=tokens_per_micro_step,
                 only=None if auto else parsed.code if parsed else None,
             )
             if auto and self.groups.rank == 0:
