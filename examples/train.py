@@ -66,6 +66,7 @@ def main() -> None:
         args.strategy,
         wrap_policy={LlamaDecoderLayer},  # one unit (flat buffer, gather, reduce) per decoder layer
         grad_accum=args.grad_accum,  # for strategy="auto": the cost model weighs per-micro-step traffic by it
+        tokens_per_micro_step=args.micro_batch * args.seq,  # and the compute that hides communication by this
     )
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     first = 0
