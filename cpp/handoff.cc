@@ -1,6 +1,8 @@
 // The only pybind11 translation unit: Python Backend objects <-> c10::intrusive_ptr<c10d::Backend>.
 #include <torch/csrc/utils/pybind.h>
 
+#include <utility>
+
 #include "cpp/bridge.h"
 #include "cpp/paro_backend.h"
 
@@ -28,14 +30,45 @@ ParoBackend& as_paro(std::size_t ptr, c10::intrusive_ptr<c10d::Backend>& holder)
   return *paro;
 }
 
+c10::intrusive_ptr<c10d::Backend> to_optional_backend(std::size_t ptr, const char* what) {
+  return ptr == 0 ? c10::intrusive_ptr<c10d::Backend>() : to_backend(ptr, what);
+}
+
+// paro_torch._backend._device_sub_backends(key, device) -> (intra, inter, flat); set once at import and never
+// released, so that no backend ever holds a Python object (its destructor may run where Python cannot be entered).
+PyObject* g_device_factory = nullptr;
+
+// Makes a backend's device sub-backends through the Python factory, on the first collective on that device.
+ParoBackend::DeviceFactory device_factory(std::int64_t key) {
+  return [key](const c10::Device& device) {
+    py::gil_scoped_acquire gil;
+    TORCH_CHECK(g_device_factory, "paro: no factory for device sub-backends is set (import paro_torch)");
+    py::tuple subs;
+    try {
+      subs = py::reinterpret_borrow<py::object>(g_device_factory)(key, device.str()).cast<py::tuple>();
+    } catch (py::error_already_set& e) {
+      TORCH_CHECK(false, "paro: could not create the sub-backends for ", device, " tensors: ", e.what());
+    }
+    TORCH_CHECK(subs.size() == 3, "paro: the device factory must return (intra, inter, flat)");
+    auto ptr = [&](std::size_t i) { return subs[i].is_none() ? 0 : reinterpret_cast<std::size_t>(subs[i].ptr()); };
+    return ParoBackend::SubBackends{to_optional_backend(ptr(0), "intra-group"),
+                                    to_optional_backend(ptr(1), "inter-group"), to_backend(ptr(2), "flat")};
+  };
+}
+
 }  // namespace
 
-std::size_t create_backend(const Shape& shape, std::size_t intra, std::size_t inter, std::size_t flat) {
-  auto to_opt = [](std::size_t p, const char* what) {
-    return p == 0 ? c10::intrusive_ptr<c10d::Backend>() : to_backend(p, what);
-  };
-  auto backend = c10::make_intrusive<ParoBackend>(shape, to_opt(intra, "intra-group"), to_opt(inter, "inter-group"),
-                                                  to_backend(flat, "flat"));
+void set_device_factory(std::size_t callable) {
+  PyObject* f = reinterpret_cast<PyObject*>(callable);
+  Py_XINCREF(f);
+  Py_XDECREF(std::exchange(g_device_factory, f));
+}
+
+std::size_t create_backend(const Shape& shape, std::size_t intra, std::size_t inter, std::size_t flat,
+                           std::int64_t device_key) {
+  auto backend = c10::make_intrusive<ParoBackend>(
+      shape, to_optional_backend(intra, "intra-group"), to_optional_backend(inter, "inter-group"),
+      to_backend(flat, "flat"), device_key < 0 ? ParoBackend::DeviceFactory() : device_factory(device_key));
   py::object obj = py::cast(c10::intrusive_ptr<c10d::Backend>(backend));
   return reinterpret_cast<std::size_t>(obj.release().ptr());
 }

@@ -2,7 +2,11 @@
 #include "cpp/paro_backend.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
 #include <ATen/record_function.h>
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
 
 #include <stdexcept>
@@ -45,14 +49,16 @@ const char* step_title(Level l, Kind k) { return kStepTitles[level_index(l)][sta
 
 void check_tensor(const at::Tensor& t, const char* op) {
   TORCH_CHECK(t.defined(), "paro: ", op, " got an undefined tensor");
-  TORCH_CHECK(t.device().is_cpu(), "paro: ", op, " got a tensor on ", t.device(),
-              "; this build of the paro backend runs its sub-collectives on Gloo and takes CPU tensors only. "
-              "Move the tensor to the CPU or use init_process_group(\"cpu:paro,cuda:nccl\").");
+  TORCH_CHECK(t.device().is_cpu() || t.device().is_cuda(), "paro: ", op, " got a tensor on ", t.device(),
+              "; the paro backend takes CPU tensors (on Gloo) and CUDA tensors (on NCCL). Move the tensor to one of "
+              "those devices.");
   TORCH_CHECK(t.layout() == at::kStrided, "paro: ", op, " takes dense tensors (got ", t.layout(), ")");
   TORCH_CHECK(t.is_contiguous(), "paro: ", op, " takes contiguous tensors; call .contiguous() first");
 }
 
 void check_same(const at::Tensor& a, const at::Tensor& b, const char* op) {
+  TORCH_CHECK(a.device() == b.device(), "paro: ", op, " got tensors on different devices (", a.device(), " and ",
+              b.device(), "); put the input and the output on one device");
   TORCH_CHECK(a.scalar_type() == b.scalar_type(), "paro: ", op, " got tensors of different dtypes (",
               a.scalar_type(), " and ", b.scalar_type(), ")");
 }
@@ -89,7 +95,7 @@ void check_reduce_op(const c10d::ReduceOp& op, const at::Tensor& t) {
 // "terminate called without an active exception" (issue #14). A borrowed tensor frees nothing when dropped;
 // the request that borrowed it keeps the real tensors alive until its plan has finished.
 at::Tensor borrowed(const at::Tensor& t) {
-  if (!t.defined()) return t;
+  if (!t.defined() || !t.device().is_cpu()) return t;  // device collectives run on the caller's thread
   if (t.numel() == 0) return at::empty(t.sizes(), t.options());
   return at::from_blob(t.data_ptr(), t.sizes(), t.strides(), t.options());
 }
@@ -118,6 +124,63 @@ void combine(const at::Tensor& src, at::Tensor dst, c10d::ReduceOp::RedOpType op
   }
 }
 
+// While torch.profiler records: starts an async event `title` with the input tensors as inputs (as torch's own
+// backends record them) and the sequence number as the keyword input "seq"; returns what ends it.
+std::function<void()> start_record(const char* title, const std::vector<at::Tensor>& inputs, uint64_t seq) {
+  auto record = std::make_shared<at::RecordFunction>(at::RecordScope::USER_SCOPE);
+  if (!record->isActive()) return nullptr;
+  record->_setAsync();
+  const std::vector<c10::IValue> args(inputs.begin(), inputs.end());
+  const std::unordered_map<std::string, c10::IValue> kwargs{{"seq", static_cast<int64_t>(seq)}};
+  record->before(title, c10::ArrayRef<const c10::IValue>(args.data(), args.size()), &kwargs);
+  return [record] { record->end(); };
+}
+
+// The Work of a collective on a device: issued on the device's streams from the caller's thread. Its Future is
+// completed at issue, on the stream that joins the collective's streams, so that its wait() and then() order
+// their streams after the collective (the device contract of c10d Work, which DDP's comm hooks rely on); wait()
+// makes the current stream wait and never blocks the CPU.
+class DeviceWork : public c10d::Work {
+ public:
+  DeviceWork(int rank, c10d::OpType type, uint64_t seq, const c10::Stream& joined, std::vector<at::Tensor> outputs)
+      : c10d::Work(rank, type),
+        done_(joined.device_type()),
+        future_(c10::make_intrusive<at::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+                                                        std::vector<c10::Device>{joined.device()})),
+        seq_(seq) {
+    done_.record(joined);
+    c10::StreamGuard guard(joined);
+    future_->markCompleted(c10::IValue(std::move(outputs)));
+  }
+  bool isCompleted() override { return done_.query(); }
+  bool isSuccess() const override { return true; }
+  bool wait(std::chrono::milliseconds /*timeout*/) override {
+    future_->wait();  // the current stream waits on the collective
+    return true;
+  }
+  void synchronize() override { future_->wait(); }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  uint64_t getSequencenumber() const override { return seq_; }
+
+ private:
+  c10::Event done_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  uint64_t seq_;
+};
+
+}  // namespace
+
+// A device's sub-backends and its streams (lanes): [intra, inter, flat, local] (paro_core::streams::Lane).
+struct ParoBackend::Device {
+  c10::Device device;
+  SubBackends subs;
+  std::array<c10::Stream, 4> lanes;
+};
+
+namespace {
+// The device whose streams run() uses, while run_on_device runs a collective on this thread.
+thread_local ParoBackend::Device* tl_device = nullptr;
+constexpr int kLocalLane = 3;
 }  // namespace
 
 // ---------------------------------------------------------------------------------------- Work
@@ -127,13 +190,7 @@ ParoBackend::ParoWork::ParoWork(int rank, c10d::OpType type, const char* title, 
       outputs_(std::move(outputs)),
       future_(c10::make_intrusive<at::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))),
       seq_(seq) {
-  auto record = std::make_shared<at::RecordFunction>(at::RecordScope::USER_SCOPE);
-  if (!record->isActive()) return;
-  record->_setAsync();  // ends on the worker thread, when the plan has run
-  std::vector<c10::IValue> args(inputs.begin(), inputs.end());
-  args.emplace_back(static_cast<int64_t>(seq));
-  record->before(title, c10::ArrayRef<const c10::IValue>(args.data(), args.size()));
-  recordFunctionEndCallback_ = [record] { record->end(); };
+  recordFunctionEndCallback_ = start_record(title, inputs, seq);  // ends on the worker, when the plan has run
 }
 
 bool ParoBackend::ParoWork::isCompleted() { return future_->completed(); }
@@ -157,13 +214,15 @@ void ParoBackend::ParoWork::complete(std::exception_ptr error) {
 
 // ------------------------------------------------------------------------------------- Backend
 ParoBackend::ParoBackend(const Shape& shape, c10::intrusive_ptr<c10d::Backend> intra,
-                         c10::intrusive_ptr<c10d::Backend> inter, c10::intrusive_ptr<c10d::Backend> flat)
+                         c10::intrusive_ptr<c10d::Backend> inter, c10::intrusive_ptr<c10d::Backend> flat,
+                         DeviceFactory device_factory)
     : c10d::Backend(shape.rank, shape.world),
       shape_(shape),
       intra_(std::move(intra)),
       inter_(std::move(inter)),
       flat_(std::move(flat)),
-      queue_(std::make_shared<Queue>()) {
+      queue_(std::make_shared<Queue>()),
+      device_factory_(std::move(device_factory)) {
   TORCH_CHECK(flat_, "paro: a flat sub-backend is required");
   worker_ = std::thread([queue = queue_] { worker_loop(queue); });
 }
@@ -247,13 +306,25 @@ void ParoBackend::worker_loop(const std::shared_ptr<Queue>& queue) {
 c10::intrusive_ptr<c10d::Work> ParoBackend::enqueue(c10d::OpType type, const char* title,
                                                     const std::vector<at::Tensor>& inputs,
                                                     std::vector<at::Tensor> outputs, std::function<void()> fn) {
+  const at::Tensor* first = nullptr;  // the tensors' device decides where the collective runs
+  for (const std::vector<at::Tensor>* ts : {&inputs, static_cast<const std::vector<at::Tensor>*>(&outputs)}) {
+    for (const auto& t : *ts) {
+      if (!t.defined()) continue;
+      if (!first) first = &t;
+      TORCH_CHECK(t.device() == first->device(), "paro: ", title + 5, " got tensors on different devices (",
+                  first->device(), " and ", t.device(), "); put all its tensors on one device");
+    }
+  }
   const uint64_t seq = ++seq_;
-  auto work = c10::make_intrusive<ParoWork>(getRank(), type, title, inputs, std::move(outputs), seq);
   int64_t numel = 0;
   for (const auto& t : inputs) numel += t.defined() ? t.numel() : 0;
   std::string what = c10::str(title + 5, " #", seq);  // title without "paro:"
   if (!inputs.empty() && inputs[0].defined()) what += c10::str(" (", numel, " elements of ", inputs[0].scalar_type(), ")");
   what += c10::str(" on rank ", getRank(), " of ", getSize());
+  if (first && !first->device().is_cpu()) {
+    return run_on_device(device(first->device()), type, title, seq, inputs, std::move(outputs), fn, what);
+  }
+  auto work = c10::make_intrusive<ParoWork>(getRank(), type, title, inputs, std::move(outputs), seq);
   Task task{work, std::move(fn), std::move(what), at::get_record_function_tls_(), c10::ThreadLocalDebugInfo::current()};
   {
     std::lock_guard<std::mutex> lock(queue_->mutex);
@@ -264,20 +335,79 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::enqueue(c10d::OpType type, const cha
 }
 
 c10d::Backend& ParoBackend::level(Level l) const {
-  switch (l) {
-    case Level::Intra:
-      TORCH_CHECK(intra_, "paro: plan uses the intra-group sub-backend, which this group does not have");
-      return *intra_;
-    case Level::Inter:
-      TORCH_CHECK(inter_, "paro: plan uses the inter-group sub-backend, which this group does not have");
-      return *inter_;
-    default:
-      return *flat_;
+  const c10::intrusive_ptr<c10d::Backend>* subs[3] = {&intra_, &inter_, &flat_};
+  if (tl_device) {
+    for (int i = 0; i < 3; ++i) subs[i] = &tl_device->subs[i];
   }
+  const auto& b = *subs[level_index(l)];
+  TORCH_CHECK(b, "paro: plan uses the ", (l == Level::Intra ? "intra" : "inter"),
+              "-group sub-backend, which this group does not have");
+  return *b;
+}
+
+ParoBackend::Device& ParoBackend::device(const c10::Device& d) {
+  std::lock_guard<std::mutex> lock(device_mutex_);
+  if (device_) {
+    TORCH_CHECK(device_->device == d, "paro: this process group runs its device collectives on ", device_->device,
+                " and got a tensor on ", d, "; a process group serves one device per process (call "
+                "torch.cuda.set_device(local_rank) and keep the tensors on it)");
+    return *device_;
+  }
+  TORCH_CHECK(device_factory_, "paro: this process group has no sub-backends for ", d, " tensors");
+  SubBackends subs = device_factory_(d);
+  TORCH_CHECK(subs[2], "paro: no flat sub-backend for ", d);
+  c10::impl::VirtualGuardImpl impl(d.type());
+  // one stream per distinct sub-backend (a level that is the flat one shares its stream), one for local steps
+  const c10::Stream flat_lane = impl.getStreamFromGlobalPool(d, /*isHighPriority=*/true);
+  auto lane_of = [&](const c10::intrusive_ptr<c10d::Backend>& b) {
+    return !b || b == subs[2] ? flat_lane : impl.getStreamFromGlobalPool(d, /*isHighPriority=*/true);
+  };
+  const c10::Stream intra_lane = lane_of(subs[0]);
+  const c10::Stream inter_lane = lane_of(subs[1]);
+  const c10::Stream local_lane = impl.getStreamFromGlobalPool(d, /*isHighPriority=*/true);
+  device_.reset(new Device{d, std::move(subs), {intra_lane, inter_lane, flat_lane, local_lane}});
+  return *device_;
+}
+
+// Runs a collective on a device from the caller's thread: the local lane waits on the caller's stream, `fn` runs
+// with the local lane as the current stream (run() fans each plan out to the level lanes and joins it back), and
+// the Work's wait() makes the then-current stream wait on the local lane. Tensors used on a lane are recorded on
+// it, so the caching allocator keeps their memory until the lane is done with them even if the caller drops them.
+c10::intrusive_ptr<c10d::Work> ParoBackend::run_on_device(Device& dev, c10d::OpType type, const char* title,
+                                                          uint64_t seq, const std::vector<at::Tensor>& inputs,
+                                                          std::vector<at::Tensor> outputs,
+                                                          const std::function<void()>& fn, const std::string& what) {
+  std::function<void()> end_record = start_record(title, inputs, seq);
+  c10::impl::VirtualGuardImpl impl(dev.device.type());
+  const c10::Stream& local = dev.lanes[kLocalLane];
+  c10::Event ready(dev.device.type());
+  ready.record(impl.getStream(dev.device));
+  ready.block(local);
+  for (const std::vector<at::Tensor>* ts : {&inputs, static_cast<const std::vector<at::Tensor>*>(&outputs)}) {
+    for (const auto& t : *ts) {
+      if (t.defined() && t.has_storage()) impl.recordDataPtrOnStream(t.storage().data_ptr(), local);
+    }
+  }
+  {
+    c10::StreamGuard guard(local);
+    struct Scope {
+      explicit Scope(Device* d) { tl_device = d; }
+      ~Scope() { tl_device = nullptr; }
+    } scope(&dev);
+    try {
+      fn();
+    } catch (...) {
+      rethrow_with("paro: " + what + " failed");
+    }
+  }
+  auto work = c10::make_intrusive<DeviceWork>(getRank(), type, seq, local, std::move(outputs));
+  if (end_record) end_record();
+  return work;
 }
 
 void ParoBackend::run(CollectiveOp op, const at::Tensor& input, const at::Tensor& output, int64_t numel, int64_t root,
                       const c10d::ReduceOp& reduce_op) {
+  Device* const dev = tl_device;  // null: the CPU path, on the worker thread
   at::Tensor in = borrowed(input).view({-1});
   at::Tensor out = borrowed(output).view({-1});
   if (reduce_op.op_ == c10d::ReduceOp::PREMUL_SUM) {
@@ -300,16 +430,43 @@ void ParoBackend::run(CollectiveOp op, const at::Tensor& input, const at::Tensor
     const at::Tensor& base = r.buf == 0 ? in : (r.buf == 1 ? out : tmp.at(r.buf - 2));
     return base.as_strided({r.d0, r.d1, r.d2}, {r.s0, r.s1, r.s2}, base.storage_offset() + r.offset);
   };
+  // On a device (paro_core::streams, [Note: stream schedule]): `ends` holds the end events of the last stage that
+  // used a lane, at first `ready` on the current stream; `lane` switches the current stream to a step's lane.
+  std::vector<c10::Event> ends;
+  c10::OptionalStreamGuard lane;
+  uint8_t used = 0;  // lanes used by the whole plan
+  if (dev) {
+    c10::impl::VirtualGuardImpl impl(dev->device.type());
+    ends.emplace_back(dev->device.type());
+    ends.back().record(impl.getStream(dev->device));
+  }
   size_t i = 0;
   const auto& steps = plan.steps;
   while (i < steps.size()) {
     const uint32_t stage = steps[i].stage;
+    uint8_t entered = 0;  // lanes of this stage that have waited on `ends`
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     std::vector<const char*> titles;  // of works
     std::vector<at::Tensor> keep;     // sub-collective buffers stay alive until the stage ends
     std::vector<std::unique_ptr<at::RecordFunction>> records;  // profiler events of the stage's steps
     for (; i < steps.size() && steps[i].stage == stage; ++i) {
       const Step& s = steps[i];
+      const bool local = s.kind == Kind::Copy || s.kind == Kind::Combine;
+      if (dev) {
+        const int l = local ? kLocalLane : level_index(s.level);
+        const auto bit = static_cast<uint8_t>(1u << l);
+        TORCH_INTERNAL_ASSERT(plan.stage_lanes.at(stage) & bit, "paro: a step outside its stage's lanes");
+        if (!(entered & bit)) {
+          for (const auto& e : ends) e.block(dev->lanes[l]);
+          entered |= bit;
+        }
+        if (s.wait_local) {  // it may read what the local steps before it in this stage wrote
+          c10::Event e(dev->device.type());
+          e.record(dev->lanes[kLocalLane]);
+          e.block(dev->lanes[l]);
+        }
+        lane.reset_stream(dev->lanes[l]);
+      }
       if (s.kind == Kind::Copy) {
         view(s.dst).copy_(view(s.src));
         continue;
@@ -333,19 +490,26 @@ void ParoBackend::run(CollectiveOp op, const at::Tensor& input, const at::Tensor
         record->before(titles.back(), c10::ArrayRef<const c10::IValue>(args.data(), args.size()));
         records.push_back(std::move(record));
       }
+      const bool async = dev == nullptr;  // on a device: enqueued on the lane (the current stream)
       switch (s.kind) {
-        case Kind::AllGather:
-          works.push_back(b.all_gather_single(dst, src, c10d::AllgatherOptions()));
+        case Kind::AllGather: {
+          c10d::AllgatherOptions o;
+          o.asyncOp = async;
+          works.push_back(b.all_gather_single(dst, src, o));
           break;
+        }
         case Kind::AllToAll: {
           std::vector<int64_t> even;
-          works.push_back(b.all_to_all_single(dst, src, even, even, c10d::AllToAllOptions()));
+          c10d::AllToAllOptions o;
+          o.asyncOp = async;
+          works.push_back(b.all_to_all_single(dst, src, even, even, o));
           break;
         }
         case Kind::AllReduce: {
           std::vector<at::Tensor> v{dst};
           c10d::AllreduceOptions o;
           o.reduceOp = sub_op;
+          o.asyncOp = async;
           works.push_back(b.allreduce(v, o));
           break;
         }
@@ -353,6 +517,7 @@ void ParoBackend::run(CollectiveOp op, const at::Tensor& input, const at::Tensor
           std::vector<at::Tensor> v{dst};
           c10d::BroadcastOptions o;
           o.rootRank = s.root;
+          o.asyncOp = async;
           works.push_back(b.broadcast(v, o));
           break;
         }
@@ -361,15 +526,36 @@ void ParoBackend::run(CollectiveOp op, const at::Tensor& input, const at::Tensor
           c10d::ReduceOptions o;
           o.rootRank = s.root;
           o.reduceOp = sub_op;
+          o.asyncOp = async;
           works.push_back(b.reduce(v, o));
           break;
         }
-        case Kind::Barrier:
-          works.push_back(b.barrier(c10d::BarrierOptions()));
+        case Kind::Barrier: {
+          c10d::BarrierOptions o;
+          o.asyncOp = async;
+          works.push_back(b.barrier(o));
           break;
+        }
         default:
           TORCH_CHECK(false, "paro: unknown plan step");
       }
+      // On a device the lane waits for the step (no CPU wait on NCCL; a null Work was enqueued on the lane).
+      if (dev && works.back()) works.back()->wait();
+    }
+    if (dev) {
+      lane.reset();
+      if (entered) {
+        ends.clear();
+        for (int l = 0; l < 4; ++l) {
+          if (entered & (1u << l)) {
+            ends.emplace_back(dev->device.type());
+            ends.back().record(dev->lanes[l]);
+          }
+        }
+        used |= entered;
+      }
+      records.clear();
+      continue;
     }
     // every sub-collective of the stage ends before an error propagates: they write through borrowed tensors
     std::exception_ptr first_error;
@@ -389,6 +575,16 @@ void ParoBackend::run(CollectiveOp op, const at::Tensor& input, const at::Tensor
       } catch (...) {
         rethrow_with(c10::str("in step ", failed, " of stage ", stage));
       }
+    }
+  }
+  if (dev) {  // join: the current stream waits on the last stage; the lanes keep what they used
+    c10::impl::VirtualGuardImpl impl(dev->device.type());
+    const c10::Stream current = impl.getStream(dev->device);
+    for (const auto& e : ends) e.block(current);
+    for (int l = 0; l < 4; ++l) {
+      if (!(used & (1u << l)) || dev->lanes[l] == current) continue;
+      for (const at::Tensor* t : {&in, &out}) impl.recordDataPtrOnStream(t->storage().data_ptr(), dev->lanes[l]);
+      for (const auto& t : tmp) impl.recordDataPtrOnStream(t.storage().data_ptr(), dev->lanes[l]);
     }
   }
   if (reduce_op.op_ == c10d::ReduceOp::AVG && (op != CollectiveOp::Reduce || getRank() == root)) {
@@ -413,6 +609,18 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::broadcast(std::vector<at::Tensor>& t
 c10::intrusive_ptr<c10d::Work> ParoBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                       const c10d::AllreduceOptions& opts) {
   TORCH_CHECK(tensors.size() == 1, "paro: allreduce takes one tensor per rank (got ", tensors.size(), ")");
+  if (tensors[0].defined() && tensors[0].is_sparse()) {
+    TORCH_CHECK(tensors[0].device().is_cpu(), "paro: sparse all_reduce takes CPU tensors (got ", tensors[0].device(),
+                "); reduce the dense tensor or move it to the CPU");
+    // Gloo's sparse all_reduce, in order with the rest, on a copy that only C++ owns (see borrowed())
+    at::Tensor t = tensors[0];
+    return enqueue(c10d::OpType::ALLREDUCE, "paro:all_reduce", tensors, tensors, [this, t, opts] {
+      ops_[2] += 1;
+      std::vector<at::Tensor> local{t.clone()};
+      flat_->allreduce(local, opts)->wait();
+      t.copy_(local[0]);
+    });
+  }
   check_tensor(tensors[0], "allreduce");
   check_reduce_op(opts.reduceOp, tensors[0]);
   at::Tensor t = tensors[0];
@@ -606,7 +814,7 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::all_to_all_single(at::Tensor& output
   return enqueue(c10d::OpType::ALLTOALL_BASE, "paro:all_to_all_single", {input}, {output}, [this, o, i, os, is, opts]() mutable {
     ops_[2] += 1;
     at::Tensor bo = borrowed(o), bi = borrowed(i);
-    flat_->all_to_all_single(bo, bi, os, is, opts)->wait();
+    level(Level::Flat).all_to_all_single(bo, bi, os, is, opts)->wait();
   });
 }
 
@@ -617,7 +825,7 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::alltoall(std::vector<at::Tensor>& ou
   return enqueue(c10d::OpType::ALLTOALL, "paro:all_to_all", inputs, outputs, [this, o, i, opts]() mutable {
     ops_[2] += 1;
     std::vector<at::Tensor> bo = borrowed(o), bi = borrowed(i);
-    flat_->alltoall(bo, bi, opts)->wait();
+    level(Level::Flat).alltoall(bo, bi, opts)->wait();
   });
 }
 
@@ -630,7 +838,7 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::gather(std::vector<std::vector<at::T
     ops_[2] += 1;
     std::vector<std::vector<at::Tensor>> bo = borrowed(o);
     std::vector<at::Tensor> bi = borrowed(i);
-    flat_->gather(bo, bi, opts)->wait();
+    level(Level::Flat).gather(bo, bi, opts)->wait();
   });
 }
 
@@ -643,20 +851,76 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::scatter(std::vector<at::Tensor>& out
     ops_[2] += 1;
     std::vector<at::Tensor> bo = borrowed(o);
     std::vector<std::vector<at::Tensor>> bi = borrowed(i);
-    flat_->scatter(bo, bi, opts)->wait();
+    level(Level::Flat).scatter(bo, bi, opts)->wait();
   });
 }
 
+void ParoBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
+  // Gloo's, on the worker after every earlier request: it tags its messages in call order, as collectives do
+  enqueue(c10d::OpType::BARRIER, "paro:monitored_barrier", {}, {}, [this, opts, waitAllRanks] {
+    ops_[2] += 1;
+    flat_->monitoredBarrier(opts, waitAllRanks);
+  })->wait();
+}
+
+namespace {
+
+// A point-to-point Work of the flat sub-backend, recorded in torch.profiler as `title` ("paro:send") with its
+// tensors, as torch's own backends record theirs; the event ends when the Work is waited on.
+class P2PWork : public c10d::Work {
+ public:
+  P2PWork(int rank, c10d::OpType type, const char* title, const std::vector<at::Tensor>& tensors,
+          c10::intrusive_ptr<c10d::Work> inner)
+      : c10d::Work(rank, type, title, tensors), inner_(std::move(inner)) {}
+  bool isCompleted() override { return inner_->isCompleted(); }
+  bool isSuccess() const override { return inner_->isSuccess(); }
+  std::exception_ptr exception() const override { return inner_->exception(); }
+  int sourceRank() const override { return inner_->sourceRank(); }
+  std::vector<at::Tensor> result() override { return inner_->result(); }
+  void abort() override { inner_->abort(); }
+  void synchronize() override { inner_->synchronize(); }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return inner_->getFuture(); }
+  bool wait(std::chrono::milliseconds timeout) override {
+    try {
+      const bool done = inner_->wait(timeout);
+      finish();
+      return done;
+    } catch (...) {
+      finish(std::current_exception());
+      throw;
+    }
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> inner_;
+};
+
+}  // namespace
+
+// Point-to-point passes straight to the flat sub-backend of the tensors' device, from the caller's thread: its
+// messages carry the caller's tags, so they need no place in the worker's order.
+c10d::Backend& ParoBackend::p2p(const std::vector<at::Tensor>& tensors, const char* op) {
+  TORCH_CHECK(tensors.size() == 1, "paro: ", op, " takes one tensor (got ", tensors.size(), ")");
+  check_tensor(tensors[0], op);
+  return tensors[0].device().is_cpu() ? *flat_ : *device(tensors[0].device()).subs[2];
+}
+
 c10::intrusive_ptr<c10d::Work> ParoBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
-  return flat_->send(tensors, dstRank, tag);
+  c10d::Backend& b = p2p(tensors, "send");
+  return c10::make_intrusive<P2PWork>(getRank(), c10d::OpType::SEND, "paro:send", tensors,
+                                      b.send(tensors, dstRank, tag));
 }
 
 c10::intrusive_ptr<c10d::Work> ParoBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
-  return flat_->recv(tensors, srcRank, tag);
+  c10d::Backend& b = p2p(tensors, "recv");
+  return c10::make_intrusive<P2PWork>(getRank(), c10d::OpType::RECV, "paro:recv", tensors,
+                                      b.recv(tensors, srcRank, tag));
 }
 
 c10::intrusive_ptr<c10d::Work> ParoBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
-  return flat_->recvAnysource(tensors, tag);
+  c10d::Backend& b = p2p(tensors, "recv");
+  return c10::make_intrusive<P2PWork>(getRank(), c10d::OpType::RECVANYSOURCE, "paro:recvAnySource", tensors,
+                                      b.recvAnysource(tensors, tag));
 }
 
 // ---------------------------------------------------------------------------------- accounting

@@ -21,7 +21,7 @@ constexpr const char* kParoBackendName = "paro";
 class ParoBackend : public c10d::Backend {
  public:
   // Work that completes when the backend's worker has run the whole plan. While torch.profiler records, it is an
-  // async event named `title` ("paro:all_reduce") with the input tensors and the sequence number as inputs.
+  // async event named `title` ("paro:all_reduce") with the input tensors as inputs and the keyword input "seq".
   class ParoWork : public c10d::Work {
    public:
     ParoWork(int rank, c10d::OpType type, const char* title, const std::vector<at::Tensor>& inputs,
@@ -39,8 +39,16 @@ class ParoBackend : public c10d::Backend {
     uint64_t seq_;
   };
 
+  // Sub-backends for tensors on a device, [intra, inter, flat] as for the CPU (intra or inter may be empty, or
+  // the flat one), made on the first collective with a tensor on that device.
+  using SubBackends = std::array<c10::intrusive_ptr<c10d::Backend>, 3>;
+  using DeviceFactory = std::function<SubBackends(const c10::Device&)>;
+  // A device's sub-backends and streams (defined in paro_backend.cc).
+  struct Device;
+
   ParoBackend(const Shape& shape, c10::intrusive_ptr<c10d::Backend> intra,
-              c10::intrusive_ptr<c10d::Backend> inter, c10::intrusive_ptr<c10d::Backend> flat);
+              c10::intrusive_ptr<c10d::Backend> inter, c10::intrusive_ptr<c10d::Backend> flat,
+              DeviceFactory device_factory);
   ~ParoBackend() override;
 
   const std::string getBackendName() const override { return kParoBackendName; }
@@ -75,7 +83,9 @@ class ParoBackend : public c10d::Backend {
                                                                  std::vector<at::Tensor>& inputs,
                                                                  const c10d::ReduceScatterOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
-  // Passed through to the flat sub-backend, in call order.
+  // Gloo's monitored barrier on the flat sub-backend: names the ranks that did not arrive within the timeout.
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) override;
+  // Run by the flat sub-backend, in call order.
   c10::intrusive_ptr<c10d::Work> all_to_all_single(at::Tensor& output, at::Tensor& input,
                                                    std::vector<int64_t>& outputSplits,
                                                    std::vector<int64_t>& inputSplits,
@@ -98,16 +108,28 @@ class ParoBackend : public c10d::Backend {
   // Gathers input i into outputs[i][0..size) (allgather's layout), for allgather and allgather_coalesced.
   c10::intrusive_ptr<c10d::Work> allgather_lists(const char* title, const std::vector<std::vector<at::Tensor>>& outputs,
                                                  const std::vector<at::Tensor>& inputs);
-  // Runs `fn` on the worker thread after every earlier request; the Work completes when it returns. `title` names
-  // the collective in profiler traces and error messages; `inputs` are recorded with it.
+  // Runs `fn`, which issues the collective through run() or level(). For CPU tensors: on the worker thread after
+  // every earlier request; the Work completes when it returns. For tensors on a device (CUDA): on the caller's
+  // thread, on the device's streams (see run_on_device); the Work's wait() makes the current stream wait. `title`
+  // names the collective in profiler traces and error messages; `inputs` are recorded with it.
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* title, const std::vector<at::Tensor>& inputs,
                                          std::vector<at::Tensor> outputs, std::function<void()> fn);
-  // Plans one collective with the Rust planner and executes it (worker thread only).
+  // Plans one collective with the Rust planner and executes it: on the worker thread with the CPU sub-backends, or,
+  // inside run_on_device, on the device's streams (paro_core::streams, [Note: stream schedule]).
   void run(CollectiveOp op, const at::Tensor& input, const at::Tensor& output, int64_t numel, int64_t root,
            const c10d::ReduceOp& reduce_op);
+  // The sub-backend of a level: the device's inside run_on_device, else the CPU's.
   c10d::Backend& level(Level l) const;
+  // The sub-backend for a point-to-point operation on `tensors`.
+  c10d::Backend& p2p(const std::vector<at::Tensor>& tensors, const char* op);
   struct Task;
   struct Queue;
+  // The device's sub-backends and streams, made on first use; a group's device tensors must share one device.
+  Device& device(const c10::Device& d);
+  c10::intrusive_ptr<c10d::Work> run_on_device(Device& dev, c10d::OpType type, const char* title, uint64_t seq,
+                                               const std::vector<at::Tensor>& inputs,
+                                               std::vector<at::Tensor> outputs, const std::function<void()>& fn,
+                                               const std::string& what);
   // The worker thread's loop. It owns the queue (a shared_ptr), not the backend, so that a backend destroyed
   // from a completion callback on the worker itself leaves the loop nothing freed to touch.
   static void worker_loop(const std::shared_ptr<Queue>& queue);
@@ -120,6 +142,10 @@ class ParoBackend : public c10d::Backend {
 
   std::shared_ptr<Queue> queue_;
   std::thread worker_;
+
+  DeviceFactory device_factory_;
+  std::mutex device_mutex_;
+  std::unique_ptr<Device> device_;
 };
 
 }  // namespace paro

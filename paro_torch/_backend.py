@@ -1,15 +1,21 @@
 """The ``paro`` torch.distributed backend: registration, the creator that builds sub-backends, counters.
 
 Every collective of a ``paro`` process group runs as a plan of the Rust planner (PaRO-CC): intra-group
-steps on a Gloo sub-group of the fast-linked ranks, inter-group steps on a Gloo sub-group of the ranks with
-the same local rank (one rail), chunked so that both levels work at once.
+steps on a sub-group of the fast-linked ranks, inter-group steps on a sub-group of the ranks with the same
+local rank (one rail), chunked so that both levels work at once. The sub-groups are Gloo groups for CPU
+tensors and, made on the first collective with CUDA tensors, NCCL groups (``PARO_DEVICE_SUB_BACKEND=gloo``:
+Gloo groups) for CUDA tensors.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -96,8 +102,72 @@ def _options(backend_options: Any) -> ParoBackendOptions | None:
     return None
 
 
-def _gloo(store: dist.Store, prefix: str, rank: int, size: int, timeout: Any) -> dist.ProcessGroupGloo:
+SubBackend = Callable[[str, int, int], Any]
+"""Makes one sub-backend: (store prefix, rank, size) -> a torch.distributed Backend object."""
+
+
+def _gloo(store: dist.Store, timeout: timedelta, prefix: str, rank: int, size: int) -> dist.ProcessGroupGloo:
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, timeout)
+
+
+def _nccl(store: dist.Store, timeout: timedelta, device: torch.device, prefix: str, rank: int, size: int) -> Any:
+    """An NCCL sub-backend, as torch makes "nccl" groups: ProcessGroupNCCL2 unless TORCH_DIST_USE_NCCL2=0."""
+    if not dist.is_nccl_available():
+        raise RuntimeError(
+            "this torch build has no NCCL, which a paro group needs for CUDA tensors; set "
+            "PARO_DEVICE_SUB_BACKEND=gloo to run them on Gloo, or use init_process_group('cpu:paro,cuda:nccl')"
+        )
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    opts.group_name = prefix
+    nccl2 = getattr(dist.distributed_c10d, "ProcessGroupNCCL2", None)
+    if nccl2 is not None and os.environ.get("TORCH_DIST_USE_NCCL2") != "0":
+        return nccl2(dist.PrefixStore(prefix, store), rank, size, opts, device)
+    return dist.ProcessGroupNCCL(dist.PrefixStore(prefix, store), rank, size, opts)
+
+
+def _levels(make: SubBackend, base: str, rank: int, size: int, m: int) -> tuple[Any, Any, Any]:
+    """(intra, inter, flat) sub-backends of a group of `size` ranks in groups of `m` (0: flat only)."""
+    flat = make(base + "flat/", rank, size)
+    if m == 0:
+        return None, None, flat
+    g = size // m
+    k, r = divmod(rank, m)
+    intra = flat if g == 1 else (None if m == 1 else make(f"{base}intra/{k}/", r, m))
+    inter = flat if m == 1 else (None if g == 1 else make(f"{base}inter/{r}/", k, g))
+    return intra, inter, flat
+
+
+# Per backend instance (the key given to the C++ backend): what makes its device sub-backends, until it is used.
+_device_makers: dict[int, Callable[[torch.device], tuple[Any, Any, Any]]] = {}
+_device_keys = itertools.count()
+
+
+def _device_levels(
+    store: dist.Store, timeout: timedelta, base: str, rank: int, size: int, m: int, device: torch.device
+) -> tuple[Any, Any, Any]:
+    kind = os.environ.get("PARO_DEVICE_SUB_BACKEND", "nccl")
+    if kind == "nccl":
+        make: SubBackend = functools.partial(_nccl, store, timeout, device)
+    elif kind == "gloo":
+        make = functools.partial(_gloo, store, timeout)
+    else:
+        raise ValueError(f"PARO_DEVICE_SUB_BACKEND={kind!r}: use 'nccl' (the default) or 'gloo'")
+    return _levels(make, f"{base}{device.type}/", rank, size, m)
+
+
+def _device_sub_backends(key: int, device: str) -> tuple[Any, Any, Any]:
+    """Called by the C++ backend on its first collective with tensors on `device`: (intra, inter, flat)."""
+    make = _device_makers.pop(key, None)
+    if make is None:
+        raise RuntimeError(f"paro: no sub-backends can be made for {device} (process group instance {key})")
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"paro: tensors on {dev} are not supported; use CPU or CUDA tensors")
+    return make(dev)
+
+
+_C.set_device_factory(_device_sub_backends)
 
 
 def _create(dist_backend_opts: Any, backend_options: Any) -> Any:
@@ -124,8 +194,6 @@ def _create(dist_backend_opts: Any, backend_options: Any) -> Any:
     # group name, same store under torchrun) never meets the previous instance's Gloo rendezvous keys.
     instance = (store.add("paro/instances", 1) - 1) // size
     base = f"paro/{instance}/"
-    flat = _gloo(store, base + "flat/", rank, size, timeout)
-    intra = inter = None
     if shape is None:
         key = tuple(global_ranks)
         if key not in _warned_flat:
@@ -134,11 +202,12 @@ def _create(dist_backend_opts: Any, backend_options: Any) -> Any:
         m = 0
     else:
         _, m = shape
-        g = size // m
-        k, r = divmod(rank, m)
-        intra = flat if g == 1 else (None if m == 1 else _gloo(store, f"{base}intra/{k}/", r, m, timeout))
-        inter = flat if m == 1 else (None if g == 1 else _gloo(store, f"{base}inter/{r}/", k, g, timeout))
-    return _C.create_backend(size, m, rank, chunk_bytes, max_chunks, intra, inter, flat)
+    intra, inter, flat = _levels(functools.partial(_gloo, store, timeout), base + "cpu/", rank, size, m)
+    device_key = -1
+    if torch.cuda.is_available():  # CUDA sub-backends, made on the first collective with CUDA tensors
+        device_key = next(_device_keys)
+        _device_makers[device_key] = functools.partial(_device_levels, store, timeout, base, rank, size, m)
+    return _C.create_backend(size, m, rank, chunk_bytes, max_chunks, intra, inter, flat, device_key)
 
 
 def register() -> None:

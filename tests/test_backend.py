@@ -74,6 +74,13 @@ def test_the_error_of_a_desynchronised_rank_tells_it_apart(debug: str) -> None:
             assert f"paro: {op} #2 (1000 elements of Float) on rank {r.rank} of 4 failed" in r.output, r.output
 
 
+def test_a_monitored_barrier_names_the_rank_that_did_not_arrive() -> None:
+    results = launch("observability.py", 4, env={"PARO_GROUP_SIZE": "2"}, args=("monitored",), timeout=120)
+    for r in results:
+        assert r.returncode == 0, r.output[-2000:]
+    assert "Rank 1 failed to pass monitoredBarrier" in results[0].output, results[0].output[-2000:]
+
+
 def test_torchrun_finds_the_backend_through_its_entry_point() -> None:
     env = dict(os.environ, PARO_GROUP_SIZE="2", OMP_NUM_THREADS="1")
     cmd = [

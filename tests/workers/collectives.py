@@ -1,8 +1,11 @@
 """Every collective of the ``paro`` backend against a reference computed from Gloo-gathered inputs.
 
-Values are small integers, so every dtype (bf16 included) must match bit for bit.
+Values are small integers, so every dtype (bf16 included) must match bit for bit. PARO_TEST_DEVICE=cuda runs
+it on CUDA tensors (each rank on cuda:LOCAL_RANK modulo the GPU count; the GPU check, scripts/gpu_check.sh).
 """
 
+import datetime
+import os
 import sys
 import time
 
@@ -58,7 +61,17 @@ def check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
         raise AssertionError(f"{name}: mismatch (max |diff| {diff}) got {got[:8]} want {want[:8]}")
 
 
+def test_device() -> torch.device:
+    if os.environ.get("PARO_TEST_DEVICE", "cpu") == "cpu":
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
 def main() -> None:
+    device = test_device()
+    torch.set_default_device(device)
     dist.init_process_group("paro")
     rank, world = dist.get_rank(), dist.get_world_size()
     gloo = dist.new_group(backend="gloo")
@@ -140,20 +153,33 @@ def main() -> None:
     a2a_out = torch.empty(world)
     dist.all_to_all_single(a2a_out, a2a_in)
     check("all_to_all_single", a2a_out, torch.arange(world, dtype=torch.float32) * 100 + rank)
-    if rank == 0:
-        dist.send(torch.tensor([42.0]), dst=world - 1)
-    if rank == world - 1:
-        t = torch.zeros(1)
-        dist.recv(t, src=0)
-        check("send/recv", t, torch.tensor([42.0]))
-    check_sub_backends_borrow(rank, world)
+    if device.type == "cpu" or os.environ.get("PARO_DEVICE_SUB_BACKEND") != "gloo":  # Gloo: no CUDA send/recv
+        if rank == 0:
+            dist.send(torch.tensor([42.0]), dst=world - 1)
+        if rank == world - 1:
+            t = torch.zeros(1)
+            dist.recv(t, src=0)
+            check("send/recv", t, torch.tensor([42.0]))
+    if device.type == "cpu":
+        # sparse all_reduce (Gloo's, in order with the rest), as on Gloo
+        idx = torch.tensor([[rank, world]])
+        sparse = torch.sparse_coo_tensor(idx, torch.tensor([rank + 1.0, 1.0]), (world + 1,), check_invariants=True)
+        dist.all_reduce(sparse)
+        want = torch.cat([torch.arange(1.0, world + 1), torch.tensor([float(world)])])
+        check("sparse all_reduce", sparse.to_dense(), want)
+        check_sub_backends_borrow(rank, world)
+    dist.monitored_barrier(timeout=datetime.timedelta(seconds=30), wait_all_ranks=True)
     # bad input gets a clear error, on every rank, before anything is sent
-    try:
-        dist.all_gather_into_tensor(torch.empty(3), torch.empty(2))
-    except Exception as e:  # noqa: BLE001
-        assert "needs an output of" in str(e), e
-    else:
-        raise AssertionError("a wrong output size was accepted")
+    bad = [(torch.empty(3), torch.empty(2), "needs an output of")]
+    if device.type != "cpu":
+        bad.append((torch.empty(2 * world, device="cpu"), torch.empty(2), "on different devices"))
+    for out, inp, message in bad:
+        try:
+            dist.all_gather_into_tensor(out, inp)
+        except Exception as e:  # noqa: BLE001
+            assert message in str(e), e
+        else:
+            raise AssertionError(f"accepted: an output of {out.shape} on {out.device}, an input on {inp.device}")
     dist.barrier()
     print(f"rank {rank}: {count} checks OK, stats {paro_torch.comm_stats()}")
     dist.destroy_process_group()

@@ -4,11 +4,13 @@
 each plan step an event ``paro:<level>:<kind>`` with its sizes; the group's sequence number counts collectives.
 ``desync``: rank 1 issues a different collective than the others; every rank's error names its own collective and
 sequence number (with TORCH_DISTRIBUTED_DEBUG=DETAIL, torch's checker names the mismatch before anything runs).
+``monitored``: rank 1 never reaches a monitored barrier; rank 0's error names it, as on Gloo.
 """
 
 import datetime
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -26,13 +28,18 @@ def trace() -> None:
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         dist.all_reduce(t, async_op=True).wait()
         dist.all_gather_into_tensor(torch.empty(1000 * world), t)
+        peer = dist.get_rank() ^ 1  # point-to-point: events of their own, with their tensors
+        for op in (dist.isend, dist.irecv) if peer > dist.get_rank() else (dist.irecv, dist.isend):
+            op(torch.ones(7), peer).wait()
     assert pg._get_sequence_number_for_group() == 2, pg._get_sequence_number_for_group()
     events = [e for e in prof.events() if e.name.startswith("paro:")]
     ops = {e.name: e for e in events if e.name.count(":") == 1}
-    assert set(ops) == {"paro:all_reduce", "paro:all_gather_into_tensor"}, sorted(ops)
-    assert ops["paro:all_reduce"].input_shapes == [[1000], []], ops["paro:all_reduce"].input_shapes
-    assert ops["paro:all_reduce"].concrete_inputs[1] == 1  # its sequence number
-    assert ops["paro:all_gather_into_tensor"].concrete_inputs[1] == 2
+    assert set(ops) == {"paro:all_reduce", "paro:all_gather_into_tensor", "paro:send", "paro:recv"}, sorted(ops)
+    assert ops["paro:send"].input_shapes == ops["paro:recv"].input_shapes == [[7]]
+    assert all(e.is_async for e in ops.values())
+    assert ops["paro:all_reduce"].input_shapes == [[1000]], ops["paro:all_reduce"].input_shapes
+    assert ops["paro:all_reduce"].kwinputs == {"seq": 1}, ops["paro:all_reduce"].kwinputs
+    assert ops["paro:all_gather_into_tensor"].kwinputs == {"seq": 2}
     steps = {(e.name, tuple(map(tuple, e.input_shapes))) for e in events if e.name.count(":") == 2}
     # all_gather of 1000 floats on 2 x 2: inter step (1000 -> 2000), then intra step (2000 -> 4000)
     assert ("paro:inter:all_gather", ((1000,), (2000,))) in steps, steps
@@ -59,5 +66,21 @@ def desync() -> None:
     os._exit(1)
 
 
+def monitored() -> None:
+    dist.init_process_group("paro")
+    rank = dist.get_rank()
+    dist.all_reduce(torch.ones(10))
+    if rank == 1:  # never arrives; waits until the others have reported
+        time.sleep(8)
+        os._exit(0)
+    try:
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=2))
+    except RuntimeError as e:
+        print(f"rank {rank}: {e}")
+        os._exit(0)
+    print(f"rank {rank}: passed the barrier")
+    os._exit(1)
+
+
 if __name__ == "__main__":
-    {"trace": trace, "desync": desync}[sys.argv[1]]()
+    {"trace": trace, "desync": desync, "monitored": monitored}[sys.argv[1]]()

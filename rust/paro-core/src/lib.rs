@@ -11,6 +11,7 @@ pub mod layout;
 pub mod model;
 pub mod planner;
 pub mod strategy;
+pub mod streams;
 pub mod topology;
 
 pub use comm::{Collective, Level};

@@ -4,6 +4,7 @@
 use std::collections::{HashMap, HashSet};
 
 use paro_core::planner::{plan, Buf, ChunkPolicy, Collective, Kind, Level, Plan, Region, Request, Step};
+use paro_core::streams::{schedule, Lane};
 use paro_core::Topology;
 
 type Op = fn(i64, i64) -> i64;
@@ -395,4 +396,106 @@ fn bad_requests_are_errors() {
     assert!(plan(&Request { rank: 4, ..base }).is_err());
     assert!(plan(&Request { world: 6, ..base }).is_err());
     assert!(plan(&Request { root: 9, collective: Collective::Broadcast, ..base }).is_err());
+}
+
+/// Checks a plan's stream schedule (paro_core::streams, [Note: stream schedule]): builds the happens-before graph
+/// of its lanes and events and asserts that every two steps touching a common element run in plan order, and that
+/// every step runs after `ready` and before `done`.
+fn check_stream_schedule(p: &Plan, inplace: bool, what: &str) {
+    let sched = schedule(p);
+    let n = p.steps.len();
+    let (ready, done) = (n, n + 1);
+    let mut preds: Vec<Vec<usize>> = vec![Vec::new(); n + 2];
+    let mut last_on_lane: HashMap<Lane, usize> = HashMap::new();
+    let mut last_in_stage: Vec<HashMap<Lane, usize>> = vec![HashMap::new(); p.stages() as usize];
+    let mut last_local_in_stage: Option<(u32, usize)> = None;
+    for (i, s) in p.steps.iter().enumerate() {
+        let lane = Lane::of(s);
+        assert!(sched.stage_lanes[s.stage as usize] & lane.bit() != 0, "{what}: lane of step {i} not in its stage");
+        if let Some(&prev) = last_on_lane.get(&lane) {
+            preds[i].push(prev); // a lane runs in order
+        }
+        if !last_in_stage[s.stage as usize].contains_key(&lane) {
+            // the lane's first step of the stage: after the end events of the last stage before it that used any
+            // lane (a rank can have nothing to do in a stage), or `ready`
+            match (0..s.stage as usize).rev().find(|&k| sched.stage_lanes[k] != 0) {
+                None => preds[i].push(ready),
+                Some(k) => preds[i].extend(last_in_stage[k].values()),
+            }
+        }
+        if sched.wait_local[i] {
+            let (stage, j) = last_local_in_stage.expect("wait_local without a local step before");
+            assert_eq!(stage, s.stage, "{what}: wait_local on a local step of another stage");
+            preds[i].push(j);
+        }
+        if lane == Lane::Local {
+            last_local_in_stage = Some((s.stage, i));
+        }
+        last_on_lane.insert(lane, i);
+        last_in_stage[s.stage as usize].insert(lane, i);
+    }
+    match last_in_stage.iter().rev().find(|m| !m.is_empty()) {
+        Some(last) => preds[done].extend(last.values()),
+        None => preds[done].push(ready),
+    }
+    // reach[i]: every node that happens before node i
+    let mut reach: Vec<HashSet<usize>> = vec![HashSet::new(); n + 2];
+    for i in std::iter::once(ready).chain(0..n).chain(std::iter::once(done)) {
+        let mut r = HashSet::new();
+        for &j in &preds[i] {
+            r.insert(j);
+            r.extend(reach[j].iter().copied());
+        }
+        reach[i] = r;
+    }
+    for i in 0..n {
+        assert!(reach[i].contains(&ready) && reach[done].contains(&i), "{what}: step {i} outside ready..done");
+    }
+    for b in 0..n {
+        let (rb, wb) = (cells(&p.steps[b].src, inplace), cells(&p.steps[b].dst, inplace));
+        for a in 0..b {
+            let (ra, wa) = (cells(&p.steps[a].src, inplace), cells(&p.steps[a].dst, inplace));
+            let conflict = !wa.is_disjoint(&rb) || !wa.is_disjoint(&wb) || !ra.is_disjoint(&wb);
+            assert!(
+                !conflict || reach[b].contains(&a),
+                "{what}: steps {a} {:?} and {b} {:?} conflict but are not ordered",
+                p.steps[a],
+                p.steps[b]
+            );
+        }
+    }
+}
+
+#[test]
+fn stream_schedules_order_every_conflicting_pair_of_steps() {
+    let collectives = [
+        (Collective::AllGather, false),
+        (Collective::ReduceScatter, false),
+        (Collective::AllReduce, true),
+        (Collective::Broadcast, true),
+        (Collective::Reduce, true),
+        (Collective::Barrier, false),
+    ];
+    let mut checked = 0;
+    let mut waits = 0;
+    for (t, flat) in shapes() {
+        for numel in [0, 1, 5, 13] {
+            for pol in policies() {
+                for (c, inplace) in collectives {
+                    for root in [0, t.world - 1] {
+                        for (rank, p) in plans_for(t, flat, c, numel, root, pol).iter().enumerate() {
+                            check_stream_schedule(
+                                p,
+                                inplace,
+                                &format!("{c:?} {t:?} flat={flat} n={numel} rank={rank} {pol:?}"),
+                            );
+                            waits += schedule(p).wait_local.iter().filter(|&&w| w).count();
+                            checked += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(checked > 1000 && waits > 0, "{checked} plans, {waits} local waits");
 }

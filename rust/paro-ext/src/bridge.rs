@@ -3,7 +3,7 @@
 use paro_core::planner::{
     self, Buf, ChunkPolicy, Collective, Kind as CoreKind, Level as CoreLevel, Region as CoreRegion,
 };
-use paro_core::Topology;
+use paro_core::{streams, Topology};
 
 #[cxx::bridge(namespace = "paro")]
 pub mod ffi {
@@ -65,13 +65,18 @@ pub mod ffi {
         dst: Region,
         root: i32,
         bytes: u64,
+        /// On a device: the step's stream first waits on the local steps before it in its stage
+        /// (paro_core::streams, [Note: stream schedule]).
+        wait_local: bool,
     }
 
-    /// A plan: scratch sizes and steps.
+    /// A plan: scratch sizes, steps, and per stage the mask of the streams it uses on a device
+    /// (bit 0 intra, 1 inter, 2 flat, 3 local; see paro_core::streams).
     #[derive(Debug, Clone)]
     struct PlanOut {
         tmp: Vec<i64>,
         steps: Vec<Step>,
+        stage_lanes: Vec<u8>,
     }
 
     /// The process group as seen by one rank; group_size 0 means flat (no hierarchy).
@@ -92,7 +97,15 @@ pub mod ffi {
         include!("cpp/bridge.h");
 
         /// See cpp/bridge.h.
-        unsafe fn create_backend(shape: &Shape, intra: usize, inter: usize, flat: usize) -> Result<usize>;
+        unsafe fn create_backend(
+            shape: &Shape,
+            intra: usize,
+            inter: usize,
+            flat: usize,
+            device_key: i64,
+        ) -> Result<usize>;
+        /// See cpp/bridge.h.
+        unsafe fn set_device_factory(callable: usize) -> Result<()>;
         /// See cpp/bridge.h.
         unsafe fn backend_stats(backend: usize) -> Result<Vec<u64>>;
         /// See cpp/bridge.h.
@@ -148,10 +161,12 @@ fn make_plan(op: CollectiveOp, shape: &Shape, numel: u64, elem_size: u64, root: 
             chunks: ChunkPolicy { chunk_bytes: shape.chunk_bytes, max_chunks: shape.max_chunks },
         };
         let plan = planner::plan(&req).map_err(|e| format!("paro: {e}"))?;
+        let lanes = streams::schedule(&plan);
         let steps = plan
             .steps
             .iter()
-            .map(|s| Step {
+            .zip(&lanes.wait_local)
+            .map(|(s, &wait_local)| Step {
                 stage: s.stage,
                 kind: match s.kind {
                     CoreKind::AllGather => Kind::AllGather,
@@ -172,9 +187,10 @@ fn make_plan(op: CollectiveOp, shape: &Shape, numel: u64, elem_size: u64, root: 
                 dst: region(&s.dst),
                 root: s.root as i32,
                 bytes: s.bytes,
+                wait_local,
             })
             .collect();
-        Ok(PlanOut { tmp: plan.tmp.iter().map(|&x| x as i64).collect(), steps })
+        Ok(PlanOut { tmp: plan.tmp.iter().map(|&x| x as i64).collect(), steps, stage_lanes: lanes.stage_lanes })
     });
     result.unwrap_or_else(|_| Err("paro: internal error while planning (a bug; please report it)".into()))
 }

@@ -209,9 +209,10 @@ fn gpu_cluster(name: &str, world: usize, group_size: usize, inter_gbit: f64, eff
     serde_json::to_string(&cluster).map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
-/// Builds the C++ `paro` Backend over Gloo/NCCL sub-backends (intra and inter may be None).
+/// Builds the C++ `paro` Backend over Gloo sub-backends (intra and inter may be None); its device sub-backends come
+/// from the device factory with `device_key` (negative: none; see `set_device_factory`).
 #[pyfunction]
-#[pyo3(signature = (world, group_size, rank, chunk_bytes, max_chunks, intra, inter, flat))]
+#[pyo3(signature = (world, group_size, rank, chunk_bytes, max_chunks, intra, inter, flat, device_key=-1))]
 #[allow(clippy::too_many_arguments)]
 fn create_backend<'py>(
     py: Python<'py>,
@@ -223,15 +224,29 @@ fn create_backend<'py>(
     intra: Option<Bound<'py, PyAny>>,
     inter: Option<Bound<'py, PyAny>>,
     flat: Bound<'py, PyAny>,
+    device_key: i64,
 ) -> PyResult<Bound<'py, PyAny>> {
     let shape = bridge::ffi::Shape { world, group_size, rank, chunk_bytes, max_chunks };
     bridge::topology_of(&shape).map_err(to_py)?;
     let ptr = |o: &Option<Bound<'py, PyAny>>| o.as_ref().map_or(0, |b| b.as_ptr() as usize);
     // SAFETY: the pointers are live Python objects held by this frame; the GIL is held.
-    let obj = unsafe { bridge::ffi::create_backend(&shape, ptr(&intra), ptr(&inter), flat.as_ptr() as usize) }
-        .map_err(|e| PyRuntimeError::new_err(e.what().to_string()))?;
+    let obj =
+        unsafe { bridge::ffi::create_backend(&shape, ptr(&intra), ptr(&inter), flat.as_ptr() as usize, device_key) }
+            .map_err(|e| PyRuntimeError::new_err(e.what().to_string()))?;
     // SAFETY: create_backend returns a new reference.
     Ok(unsafe { Bound::from_owned_ptr(py, obj as *mut pyo3::ffi::PyObject) })
+}
+
+/// Sets the callable `(key, device: str) -> (intra, inter, flat)` that makes a backend's sub-backends for device
+/// tensors on first use (`create_backend(..., device_key=key)`); it is kept for the life of the process.
+#[pyfunction]
+fn set_device_factory(factory: Bound<'_, PyAny>) -> PyResult<()> {
+    if !factory.is_callable() {
+        return Err(PyValueError::new_err("paro: the device factory must be callable"));
+    }
+    // SAFETY: `factory` is a live Python object; the GIL is held; C++ takes its own reference.
+    unsafe { bridge::ffi::set_device_factory(factory.as_ptr() as usize) }
+        .map_err(|e| PyRuntimeError::new_err(e.what().to_string()))
 }
 
 /// Counters of a paro Backend object: bytes and operations per level since the last reset.
@@ -273,6 +288,7 @@ fn _C(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let gpus: Vec<&str> = paro_core::cost::GPU_PRESETS.iter().map(|p| p.name).collect();
     m.add("GPU_PRESETS", gpus)?;
     m.add_function(wrap_pyfunction!(create_backend, m)?)?;
+    m.add_function(wrap_pyfunction!(set_device_factory, m)?)?;
     m.add_function(wrap_pyfunction!(backend_stats, m)?)?;
     m.add_function(wrap_pyfunction!(reset_backend_stats, m)?)?;
     Ok(())
