@@ -855,6 +855,23 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::scatter(std::vector<at::Tensor>& out
   });
 }
 
+void ParoBackend::each_device_backend(const std::function<void(c10d::Backend&)>& fn) {
+  std::lock_guard<std::mutex> lock(device_mutex_);
+  if (!device_) return;
+  for (int i = 0; i < 3; ++i) {  // each distinct sub-backend once (intra or inter may be the flat one)
+    const auto& b = device_->subs[i];
+    if (b && (i == 2 || b != device_->subs[2])) fn(*b);
+  }
+}
+
+void ParoBackend::shutdown() {
+  each_device_backend([](c10d::Backend& b) { b.shutdown(); });
+}
+
+void ParoBackend::abort() {
+  each_device_backend([](c10d::Backend& b) { b.abort(); });
+}
+
 void ParoBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
   // Gloo's, on the worker after every earlier request: it tags its messages in call order, as collectives do
   enqueue(c10d::OpType::BARRIER, "paro:monitored_barrier", {}, {}, [this, opts, waitAllRanks] {

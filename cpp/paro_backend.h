@@ -83,6 +83,9 @@ class ParoBackend : public c10d::Backend {
                                                                  std::vector<at::Tensor>& inputs,
                                                                  const c10d::ReduceScatterOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  // Passed on to the device sub-backends (NCCL frees its communicators here); the CPU ones end with the backend.
+  void shutdown() override;
+  void abort() override;
   // Gloo's monitored barrier on the flat sub-backend: names the ranks that did not arrive within the timeout.
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) override;
   // Run by the flat sub-backend, in call order.
@@ -120,6 +123,7 @@ class ParoBackend : public c10d::Backend {
            const c10d::ReduceOp& reduce_op);
   // The sub-backend of a level: the device's inside run_on_device, else the CPU's.
   c10d::Backend& level(Level l) const;
+  void each_device_backend(const std::function<void(c10d::Backend&)>& fn);
   // The sub-backend for a point-to-point operation on `tensors`.
   c10d::Backend& p2p(const std::vector<at::Tensor>& tensors, const char* op);
   struct Task;

@@ -18,7 +18,6 @@ import logging
 import os
 import weakref
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -36,6 +35,7 @@ from paro_torch._agree import raise_together
 from paro_torch._backend import check_node_layout, resolve_group_size
 from paro_torch._flat import FlatBuffer, G, I, N, ParamSlot, param_rows
 from paro_torch._groups import ParoGroups, build_groups, twin_groups
+from paro_torch._lanes import Handle, make_lane
 from paro_torch._report import format_report
 from paro_torch.api import Precision
 from paro_torch.auto import LinkCalibration, choose_strategy, default_memory_budget, measure_links
@@ -271,15 +271,16 @@ class ParoShardedModule(nn.Module):
         #   freed when the pass ends), so every rank gathers the same units in the same order, one ahead of
         #   the computation (prefetch); the root unit comes first in both, since it wraps the whole forward;
         # - reductions follow one fixed order too (see [Note: reduction order]).
-        self._gathers = ThreadPoolExecutor(1, thread_name_prefix="paro-gather")
-        self._reducer = ThreadPoolExecutor(1, thread_name_prefix="paro-reduce")
+        # On CUDA each is a stream instead of a thread (see [Note: lanes] in _lanes.py).
+        self._gathers = make_lane(self.device, "paro-gather")
+        self._reducer = make_lane(self.device, "paro-reduce")
         self._fwd_order = list(reversed(self._units))  # root first
         self._pass: list[_Unit] = []
         self._pass_pos: dict[_Unit, int] = {}
         self._pass_next = 0
-        self._gathered: dict[_Unit, Future[None]] = {}
-        self._bwd_flags: list[tuple[torch.Tensor, Future[Any]]] = []
-        self._needs_bwd = torch.zeros(len(self._units), dtype=torch.int64)
+        self._gathered: dict[_Unit, Handle[None]] = {}
+        self._bwd_flags: list[tuple[torch.Tensor, Handle[Any]]] = []
+        self._needs_bwd = torch.zeros(len(self._units), dtype=torch.int64, device=self.device)
         self._root_grad = False
         self.prefetches = 0
         """Parameter gathers started ahead of their unit's forward or backward (for tests and profiling)."""
@@ -294,13 +295,13 @@ class ParoShardedModule(nn.Module):
         # mean over ranks with zeros where unused, as DDP's find_unused_parameters. Which buffers were used is
         # agreed at each boundary (one small all-reduce after the reductions): one unused on every rank keeps
         # its gradient None, as in single-process training.
-        self._pending_reduce: list[Future[Any]] = []
+        self._pending_reduce: list[Handle[Any]] = []
         self._reduce_order = [b for b in self._flat_buffers if b.trainable]
         self._reduce_index = {id(b): i for i, b in enumerate(self._reduce_order)}
         self._unit_of = {id(b): u for u in self._units for b in u.buffers}
         self._ready: dict[int, torch.Tensor | None] = {}
         self._next_reduce = 0
-        self._used = torch.zeros(len(self._reduce_order), dtype=torch.int64)
+        self._used = torch.zeros(len(self._reduce_order), dtype=torch.int64, device=self.device)
         self._created_grad: set[int] = set()
         # [Note: parameter sync] t_syncp (masters -> parameters) runs before the first forward after every
         # boundary backward, for every unit on every rank alike, whatever the optimizer did: fused and
@@ -400,6 +401,7 @@ class ParoShardedModule(nn.Module):
             # outside the pass (e.g. a unit run twice in a forward): a gather of its own, as on every rank
             if self._gather_due(unit) or any(b.full_freed() for b in unit.buffers):
                 self._gathers.submit(unit.gather).result()
+                self._gathers.hand_over(b.full for b in unit.buffers if b.full is not None)
             return
         self._submit_through(i)
         pending = self._gathered.pop(unit, None)
@@ -409,6 +411,7 @@ class ParoShardedModule(nn.Module):
             self.prefetches += len(self._gathered) - before
         if pending is not None:
             pending.result()
+            self._gathers.hand_over(b.full for b in unit.buffers if b.full is not None)
         if self.strategy.p != N:
             phase = "backward" if self._in_backward else "forward"
             held = sum(u.unsharded() for u in self._units)
@@ -547,7 +550,7 @@ class ParoShardedModule(nn.Module):
             self._ready.setdefault(i, None)  # unused on this rank in this micro-step
         self._flush_reductions()
         self._next_reduce = 0
-        flags = torch.cat([self._used, torch.tensor([int(self._late_step)])])
+        flags = torch.cat([self._used, torch.tensor([int(self._late_step)], device=self.device)])
         if self._sync_gradients:
             self._pending_reduce.append(self._reducer.submit(dist.all_reduce, flags, group=self._rgroups.whole))
         self._finish_reductions()

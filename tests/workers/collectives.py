@@ -1,7 +1,7 @@
 """Every collective of the ``paro`` backend against a reference computed from Gloo-gathered inputs.
 
 Values are small integers, so every dtype (bf16 included) must match bit for bit. PARO_TEST_DEVICE=cuda runs
-it on CUDA tensors (each rank on cuda:LOCAL_RANK modulo the GPU count; the GPU check, scripts/gpu_check.sh).
+it on CUDA tensors (see _device.py).
 """
 
 import datetime
@@ -11,6 +11,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from _device import test_device
 
 import paro_torch
 
@@ -61,17 +62,8 @@ def check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
         raise AssertionError(f"{name}: mismatch (max |diff| {diff}) got {got[:8]} want {want[:8]}")
 
 
-def test_device() -> torch.device:
-    if os.environ.get("PARO_TEST_DEVICE", "cpu") == "cpu":
-        return torch.device("cpu")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    torch.cuda.set_device(device)
-    return device
-
-
 def main() -> None:
     device = test_device()
-    torch.set_default_device(device)
     dist.init_process_group("paro")
     rank, world = dist.get_rank(), dist.get_world_size()
     gloo = dist.new_group(backend="gloo")

@@ -1,7 +1,7 @@
 """ParoShardedModule with every strategy trains to the parameters of single-process training.
 
 Usage: engine.py VARIANT[,VARIANT...] [STRATEGY ...]; VARIANT in plain, frozen, lora, tied, syncall, clip, bf16, fp16,
-mesh.
+mesh. PARO_TEST_DEVICE=cuda: on CUDA (see _device.py), the engine's groups on NCCL.
 """
 
 import contextlib
@@ -11,6 +11,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from _device import test_device, world_backend
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -115,9 +116,11 @@ def _low_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 def check_variant(variant: str, strategies: list[str], groups: ParoGroups) -> None:
     """Trains every strategy on one variant of the model and compares it with one process."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.get_default_device()
     g = torch.Generator().manual_seed(1)
     data = [
-        [torch.randint(0, VOCAB, (world * BATCH, SEQ + 1), generator=g) for _ in range(ACCUM)] for _ in range(STEPS)
+        [torch.randint(0, VOCAB, (world * BATCH, SEQ + 1), generator=g, device="cpu").to(device) for _ in range(ACCUM)]
+        for _ in range(STEPS)
     ]
     ref, ref_norms = train_reference(variant, data, world)
     initial = {k: v.float() for k, v in make(variant).state_dict().items()}
@@ -130,7 +133,7 @@ def check_variant(variant: str, strategies: list[str], groups: ParoGroups) -> No
     if variant == "mesh":  # groups from a 2-D DeviceMesh (outer = inter-group, inner = intra-group), as HSDP
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (world // groups.group_size, groups.group_size))
+        mesh = init_device_mesh(device.type, (world // groups.group_size, groups.group_size))
     for code in strategies:
         model = ParoShardedModule(
             make(variant),
@@ -139,10 +142,11 @@ def check_variant(variant: str, strategies: list[str], groups: ParoGroups) -> No
             device_mesh=mesh,
             wrap_policy={Block},
             mixed_precision=MixedPrecisionPolicy(LOW[variant], reduce_dtype=torch.float32) if variant in LOW else None,
+            device=device,
         )
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         # fp16: torch's sharded loss scaler agrees on overflow across ranks (every master shard is checked)
-        scaler = ShardedGradScaler("cpu", SCALE, process_group=dist.group.WORLD, enabled=variant == "fp16")
+        scaler = ShardedGradScaler(device.type, SCALE, process_group=dist.group.WORLD, enabled=variant == "fp16")
         for step, micro in enumerate(data):
             for j, x in enumerate(micro):
                 local = x[rank * BATCH : (rank + 1) * BATCH]
@@ -176,14 +180,14 @@ def check_variant(variant: str, strategies: list[str], groups: ParoGroups) -> No
         inner[1].register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
         policy = MixedPrecisionPolicy(torch.bfloat16, output_dtype=torch.float32)
         model = ParoShardedModule(inner, "GGG", process_groups=(groups.intra, groups.inter), mixed_precision=policy,
-                                  wrap_policy=lambda m: m is inner[1])  # fmt: skip
+                                  wrap_policy=lambda m: m is inner[1], device=device)  # fmt: skip
         out = model(torch.randn(2, DIM, dtype=torch.float64))
         assert out.dtype == torch.float32 and seen == [torch.bfloat16], (out.dtype, seen)
 
 
 def main() -> None:
     variants, strategies = sys.argv[1].split(","), sys.argv[2:] or paro_torch.STRATEGIES
-    dist.init_process_group("gloo")
+    dist.init_process_group(world_backend(test_device()))
     groups = build_groups()
     for variant in variants:
         check_variant(variant, strategies, groups)
