@@ -222,7 +222,10 @@ def register() -> None:
 
 def _paro_backend(group: dist.ProcessGroup | None) -> Any:
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
-    return pg._get_backend(torch.device("cpu"))
+    backend = pg._get_backend(torch.device("cpu"))
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL wraps every backend in a checker that runs its collectives
+    wrapper = getattr(torch._C._distributed_c10d, "_ProcessGroupWrapper", None)
+    return backend.wrapped_pg if wrapper is not None and isinstance(backend, wrapper) else backend
 
 
 def comm_stats(group: dist.ProcessGroup | None = None) -> CommStats:

@@ -74,6 +74,11 @@ def test_the_error_of_a_desynchronised_rank_tells_it_apart(debug: str) -> None:
             assert f"paro: {op} #2 (1000 elements of Float) on rank {r.rank} of 4 failed" in r.output, r.output
 
 
+def test_counters_work_under_distributed_debug_detail() -> None:
+    env = {"PARO_GROUP_SIZE": "2", "TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+    assert_ok(launch("observability.py", 4, env=env, args=("stats",)))
+
+
 def test_a_monitored_barrier_names_the_rank_that_did_not_arrive() -> None:
     results = launch("observability.py", 4, env={"PARO_GROUP_SIZE": "2"}, args=("monitored",), timeout=120)
     for r in results:

@@ -5,6 +5,7 @@ each plan step an event ``paro:<level>:<kind>`` with its sizes; the group's sequ
 ``desync``: rank 1 issues a different collective than the others; every rank's error names its own collective and
 sequence number (with TORCH_DISTRIBUTED_DEBUG=DETAIL, torch's checker names the mismatch before anything runs).
 ``monitored``: rank 1 never reaches a monitored barrier; rank 0's error names it, as on Gloo.
+``stats``: the counters work under TORCH_DISTRIBUTED_DEBUG=DETAIL (torch wraps the backend in its checker).
 """
 
 import datetime
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-import paro_torch  # noqa: F401
+import paro_torch
 
 
 def trace() -> None:
@@ -82,5 +83,15 @@ def monitored() -> None:
     os._exit(1)
 
 
+def stats() -> None:
+    """The counters under TORCH_DISTRIBUTED_DEBUG=DETAIL, where torch wraps the backend in its checker."""
+    dist.init_process_group("paro")
+    dist.all_reduce(torch.ones(1000))
+    got = paro_torch.comm_stats()
+    # 2 x 2: the inter-group all-reduce of this rank's half of the 4000 bytes, 2(g-1)/g * S/m = 2000
+    assert got.intra_ops >= 1 and got.inter_ops >= 1 and got.inter_bytes == 2000, got
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    {"trace": trace, "desync": desync, "monitored": monitored}[sys.argv[1]]()
+    {"trace": trace, "desync": desync, "monitored": monitored, "stats": stats}[sys.argv[1]]()
