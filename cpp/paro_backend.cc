@@ -281,7 +281,8 @@ void ParoBackend::run(CollectiveOp op, const at::Tensor& input, const at::Tensor
   at::Tensor in = borrowed(input).view({-1});
   at::Tensor out = borrowed(output).view({-1});
   if (reduce_op.op_ == c10d::ReduceOp::PREMUL_SUM) {
-    auto* sup = dynamic_cast<c10d::PreMulSumSupplement*>(reduce_op.supplement_.get());
+    // NCCLPreMulSumSupplement: torch 2.11's name; torch 2.15 keeps it as an alias of PreMulSumSupplement
+    auto* sup = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(reduce_op.supplement_.get());
     TORCH_CHECK(sup, "paro: PREMUL_SUM without a factor");
     bool in_place = in.data_ptr() == out.data_ptr();
     if (sup->tensor_factor.defined()) {
@@ -335,11 +336,11 @@ void ParoBackend::run(CollectiveOp op, const at::Tensor& input, const at::Tensor
       }
       switch (s.kind) {
         case Kind::AllGather:
-          works.push_back(b.all_gather_single(dst, src, c10d::AllgatherOptions()));
+          works.push_back(sub_all_gather_single(b, dst, src, c10d::AllgatherOptions()));
           break;
         case Kind::AllToAll: {
           std::vector<int64_t> even;
-          works.push_back(b.all_to_all_single(dst, src, even, even, c10d::AllToAllOptions()));
+          works.push_back(sub_all_to_all_single(b, dst, src, even, even, c10d::AllToAllOptions()));
           break;
         }
         case Kind::AllReduce: {
@@ -606,7 +607,7 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::all_to_all_single(at::Tensor& output
   return enqueue(c10d::OpType::ALLTOALL_BASE, "paro:all_to_all_single", {input}, {output}, [this, o, i, os, is, opts]() mutable {
     ops_[2] += 1;
     at::Tensor bo = borrowed(o), bi = borrowed(i);
-    flat_->all_to_all_single(bo, bi, os, is, opts)->wait();
+    sub_all_to_all_single(*flat_, bo, bi, os, is, opts)->wait();
   });
 }
 
