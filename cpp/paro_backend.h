@@ -58,6 +58,10 @@ class ParoBackend : public c10d::Backend {
   const std::string getBackendName() const override { return kParoBackendName; }
   // Collectives issued so far, which is the last one's number (they count from 1); equal on every rank in step.
   uint64_t getSequenceNumberForGroup() override { return seq_.load(); }
+  // The count starts at 0 on every rank: nothing to agree on. torch 2.11's ProcessGroupWrapper
+  // (TORCH_DISTRIBUTED_DEBUG=DETAIL) calls it when it wraps the backend, and the base class throws there; torch 2.15's
+  // base class is a deprecated no-op.
+  void setSequenceNumberForGroup() override {}
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;

@@ -6,6 +6,7 @@ import sys
 import time
 
 import pytest
+import torch.distributed as dist
 from launch import WORKERS, assert_ok, free_port, launch
 
 pytestmark = pytest.mark.multiproc
@@ -74,6 +75,10 @@ def test_the_error_of_a_desynchronised_rank_tells_it_apart(debug: str) -> None:
             assert f"paro: {op} #2 (1000 elements of Float) on rank {r.rank} of 4 failed" in r.output, r.output
 
 
+@pytest.mark.skipif(
+    not hasattr(dist.Backend, "_ensure_backend_registered"),
+    reason="torch before 2.14 loads no torch.distributed.backends entry points",
+)
 def test_torchrun_finds_the_backend_through_its_entry_point() -> None:
     env = dict(os.environ, PARO_GROUP_SIZE="2", OMP_NUM_THREADS="1")
     cmd = [
