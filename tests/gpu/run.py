@@ -82,6 +82,8 @@ class Run:
             "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "budget_s": budget,
             "environment": {},
+            "note": "passed: true/false per stage, null when skipped (see skipped); a stage passes when every rank "
+            "exited 0 within its timeout and every check passed on every rank",
             "stages": [],
         }
 
@@ -99,11 +101,13 @@ class Run:
         stages = self.summary["stages"]
         self.summary["passed"] = all(s["passed"] is not False for s in stages)  # type: ignore[union-attr]
         self.summary["failed_stages"] = [s["name"] for s in stages if s["passed"] is False]  # type: ignore[union-attr]
+        self.summary["skipped_stages"] = [s["name"] for s in stages if s["passed"] is None]  # type: ignore[union-attr]
         (self.out / "summary.json").write_text(json.dumps(self.summary, indent=2) + "\n")
         status = (
             "skipped: " + str(entry["skipped"]) if entry.get("skipped") else ("PASS" if entry["passed"] else "FAIL")
         )
-        line = f"== stage {entry['name']}: {status} ({entry['seconds']:.1f} s)"
+        timed_out = " after its timeout" if entry.get("status") == "timeout" else ""
+        line = f"== stage {entry['name']}: {status}{timed_out} ({entry['seconds']:.1f} s)"
         if entry.get("checks"):
             c = entry["checks"]
             line += f"; checks ok {c['ok']}, failed {len(c['failed'])}, skipped {len(c['skipped'])}"  # type: ignore[index]
@@ -275,7 +279,7 @@ def parse_checks(outs: list[tuple[int | None, str]]) -> dict[str, object]:
             m = CHECK_LINE.match(line)
             if m:
                 per.setdefault(m[1], []).append(m[2])
-    ok, failed, skipped = 0, [], []
+    passed, failed, skipped = [], [], []
     for name, results in per.items():
         bad = [r for r in results if r.startswith("FAIL")]
         if bad:
@@ -285,8 +289,8 @@ def parse_checks(outs: list[tuple[int | None, str]]) -> dict[str, object]:
         elif len(results) < WORLD:
             failed.append(f"{name}: reported by {len(results)} of {WORLD} ranks only")
         else:
-            ok += 1
-    return {"ok": ok, "failed": failed, "skipped": skipped}
+            passed.append(name)
+    return {"ok": len(passed), "failed": failed, "skipped": skipped, "passed": passed}
 
 
 def tail(outs: list[tuple[int | None, str]], lines: int = 25) -> list[str]:
