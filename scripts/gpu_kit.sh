@@ -75,5 +75,6 @@ cat <<MSG
    command:   bash scripts/gpu_check.sh \$OUT
    carry:     ["$SO"]
    timeout_s: 450
-   then read log.txt and summary.json in the returned files. Try it here first: bash scripts/gpu_check.sh /tmp/gpu-dry --dry-run
+   then read log.txt and summary.json in the returned files. Try it here first:
+   PYTHON=$VENV/bin/python bash scripts/gpu_check.sh /tmp/gpu-dry --dry-run
 MSG
