@@ -411,7 +411,8 @@ void ParoBackend::run(CollectiveOp op, const at::Tensor& input, const at::Tensor
   at::Tensor in = borrowed(input).view({-1});
   at::Tensor out = borrowed(output).view({-1});
   if (reduce_op.op_ == c10d::ReduceOp::PREMUL_SUM) {
-    auto* sup = dynamic_cast<c10d::PreMulSumSupplement*>(reduce_op.supplement_.get());
+    // NCCLPreMulSumSupplement: torch 2.11's name; torch 2.15 keeps it as an alias of PreMulSumSupplement
+    auto* sup = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(reduce_op.supplement_.get());
     TORCH_CHECK(sup, "paro: PREMUL_SUM without a factor");
     bool in_place = in.data_ptr() == out.data_ptr();
     if (sup->tensor_factor.defined()) {
@@ -495,14 +496,14 @@ void ParoBackend::run(CollectiveOp op, const at::Tensor& input, const at::Tensor
         case Kind::AllGather: {
           c10d::AllgatherOptions o;
           o.asyncOp = async;
-          works.push_back(b.all_gather_single(dst, src, o));
+          works.push_back(sub_all_gather_single(b, dst, src, o));
           break;
         }
         case Kind::AllToAll: {
           std::vector<int64_t> even;
           c10d::AllToAllOptions o;
           o.asyncOp = async;
-          works.push_back(b.all_to_all_single(dst, src, even, even, o));
+          works.push_back(sub_all_to_all_single(b, dst, src, even, even, o));
           break;
         }
         case Kind::AllReduce: {
@@ -814,7 +815,7 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::all_to_all_single(at::Tensor& output
   return enqueue(c10d::OpType::ALLTOALL_BASE, "paro:all_to_all_single", {input}, {output}, [this, o, i, os, is, opts]() mutable {
     ops_[2] += 1;
     at::Tensor bo = borrowed(o), bi = borrowed(i);
-    level(Level::Flat).all_to_all_single(bo, bi, os, is, opts)->wait();
+    sub_all_to_all_single(level(Level::Flat), bo, bi, os, is, opts)->wait();
   });
 }
 

@@ -12,6 +12,18 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+// torch 2.15 names the single-tensor collectives after torchcomms (all_gather_single, reduce_scatter_single,
+// all_to_all_single and the _coalesced forms) and keeps the older names (_allgather_base, _reduce_scatter_base,
+// alltoall_base, allgather_into_tensor_coalesced, reduce_scatter_tensor_coalesced) as forwarding aliases; torch 2.11
+// has only the older names. ParoBackend implements the new names and, on an older torch, overrides the older ones
+// to reach them; calls into sub-backends go through paro::sub_all_gather_single and paro::sub_all_to_all_single.
+#ifdef C10D_BACKEND_FORWARDING_GUARD
+#define PARO_C10D_SINGLE_NAMES 1
+#define PARO_SINGLE_OVERRIDE override
+#else
+#define PARO_SINGLE_OVERRIDE
+#endif
+
 #include "paro-ext/src/bridge.rs.h"
 
 namespace paro {
@@ -54,6 +66,10 @@ class ParoBackend : public c10d::Backend {
   const std::string getBackendName() const override { return kParoBackendName; }
   // Collectives issued so far, which is the last one's number (they count from 1); equal on every rank in step.
   uint64_t getSequenceNumberForGroup() override { return seq_.load(); }
+  // The count starts at 0 on every rank: nothing to agree on. torch 2.11's ProcessGroupWrapper
+  // (TORCH_DISTRIBUTED_DEBUG=DETAIL) calls it when it wraps the backend, and the base class throws there; torch 2.15's
+  // base class is a deprecated no-op.
+  void setSequenceNumberForGroup() override {}
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;
@@ -70,18 +86,18 @@ class ParoBackend : public c10d::Backend {
                                                      std::vector<at::Tensor>& inputs,
                                                      const c10d::AllgatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> all_gather_single(at::Tensor& output, at::Tensor& input,
-                                                   const c10d::AllgatherOptions& opts) override;
+                                                   const c10d::AllgatherOptions& opts) PARO_SINGLE_OVERRIDE;
   c10::intrusive_ptr<c10d::Work> all_gather_single_coalesced(std::vector<at::Tensor>& outputs,
                                                              std::vector<at::Tensor>& inputs,
-                                                             const c10d::AllgatherOptions& opts) override;
+                                                             const c10d::AllgatherOptions& opts) PARO_SINGLE_OVERRIDE;
   c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
                                                 std::vector<std::vector<at::Tensor>>& inputs,
                                                 const c10d::ReduceScatterOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> reduce_scatter_single(at::Tensor& output, at::Tensor& input,
-                                                       const c10d::ReduceScatterOptions& opts) override;
+                                                       const c10d::ReduceScatterOptions& opts) PARO_SINGLE_OVERRIDE;
   c10::intrusive_ptr<c10d::Work> reduce_scatter_single_coalesced(std::vector<at::Tensor>& outputs,
                                                                  std::vector<at::Tensor>& inputs,
-                                                                 const c10d::ReduceScatterOptions& opts) override;
+                                                                 const c10d::ReduceScatterOptions& opts) PARO_SINGLE_OVERRIDE;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
   // Passed on to the device sub-backends (NCCL frees its communicators here); the CPU ones end with the backend.
   void shutdown() override;
@@ -92,7 +108,32 @@ class ParoBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> all_to_all_single(at::Tensor& output, at::Tensor& input,
                                                    std::vector<int64_t>& outputSplits,
                                                    std::vector<int64_t>& inputSplits,
-                                                   const c10d::AllToAllOptions& opts) override;
+                                                   const c10d::AllToAllOptions& opts) PARO_SINGLE_OVERRIDE;
+#ifndef PARO_C10D_SINGLE_NAMES
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override {
+    return all_gather_single(output, input, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::AllgatherOptions& opts) override {
+    return all_gather_single_coalesced(outputs, inputs, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override {
+    return reduce_scatter_single(output, input, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::ReduceScatterOptions& opts) override {
+    return reduce_scatter_single_coalesced(outputs, inputs, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& outputSplits, std::vector<int64_t>& inputSplits,
+                                               const c10d::AllToAllOptions& opts) override {
+    return all_to_all_single(output, input, outputSplits, inputSplits, opts);
+  }
+#endif
   c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                                           const c10d::AllToAllOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -151,5 +192,25 @@ class ParoBackend : public c10d::Backend {
   std::mutex device_mutex_;
   std::unique_ptr<Device> device_;
 };
+
+// A sub-backend's all_gather_single / all_to_all_single under the name this torch has (see the top of this file).
+inline c10::intrusive_ptr<c10d::Work> sub_all_gather_single(c10d::Backend& b, at::Tensor& output, at::Tensor& input,
+                                                            const c10d::AllgatherOptions& opts) {
+#ifdef PARO_C10D_SINGLE_NAMES
+  return b.all_gather_single(output, input, opts);
+#else
+  return b._allgather_base(output, input, opts);
+#endif
+}
+inline c10::intrusive_ptr<c10d::Work> sub_all_to_all_single(c10d::Backend& b, at::Tensor& output, at::Tensor& input,
+                                                            std::vector<int64_t>& outputSplits,
+                                                            std::vector<int64_t>& inputSplits,
+                                                            const c10d::AllToAllOptions& opts) {
+#ifdef PARO_C10D_SINGLE_NAMES
+  return b.all_to_all_single(output, input, outputSplits, inputSplits, opts);
+#else
+  return b.alltoall_base(output, input, outputSplits, inputSplits, opts);
+#endif
+}
 
 }  // namespace paro

@@ -34,7 +34,7 @@ class Precision:
             raise TypeError(
                 f"mixed_precision must be a torch.distributed.fsdp.MixedPrecisionPolicy, not {type(policy).__name__}"
             )
-        if policy.param_dtype_override_fn is not None:
+        if getattr(policy, "param_dtype_override_fn", None) is not None:  # the field is new in torch 2.15
             raise ValueError("paro_torch does not support MixedPrecisionPolicy.param_dtype_override_fn")
         for name in ("param_dtype", "reduce_dtype", "output_dtype"):
             dtype = getattr(policy, name)

@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-if ! $PY -c 'import torch, sys; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(v != (2, 15))' 2>/dev/null; then
+# Any torch from 2.11 to 2.15 already installed is kept (2.11 is the GPU machine's); otherwise 2.15 is installed.
+if ! $PY -c 'import torch, sys; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(not (2, 11) <= v <= (2, 15))' 2>/dev/null; then
   echo "== installing torch 2.15 (a few minutes)"
   $PY -m pip install -q 'torch>=2.15,<2.16'
 fi

@@ -6,6 +6,7 @@ import sys
 import time
 
 import pytest
+import torch.distributed as dist
 from launch import WORKERS, assert_ok, free_port, launch
 
 pytestmark = pytest.mark.multiproc
@@ -86,6 +87,10 @@ def test_a_monitored_barrier_names_the_rank_that_did_not_arrive() -> None:
     assert "Rank 1 failed to pass monitoredBarrier" in results[0].output, results[0].output[-2000:]
 
 
+@pytest.mark.skipif(
+    not hasattr(dist.Backend, "_ensure_backend_registered"),
+    reason="torch before 2.14 loads no torch.distributed.backends entry points",
+)
 def test_torchrun_finds_the_backend_through_its_entry_point() -> None:
     env = dict(os.environ, PARO_GROUP_SIZE="2", OMP_NUM_THREADS="1")
     cmd = [

@@ -30,7 +30,7 @@ fn main() {
     });
     let Some(torch_dir) = torch_dir else {
         panic!(
-            "paro-torch: cannot find torch for {python}. Install torch>=2.15,<2.16 first, or set PARO_TORCH_DIR to \
+            "paro-torch: cannot find torch for {python}. Install torch>=2.11,<2.16 first, or set PARO_TORCH_DIR to \
              the torch package directory (the folder that holds include/ and lib/)."
         );
     };
