@@ -12,7 +12,7 @@ Stages, each launching WORLD ranks on cuda:0 (on the CPU in a dry run):
   gloo               tests/gpu/collectives_check.py on Gloo (CUDA tensors on the GPU)
   nccl               the same on NCCL, several ranks on one GPU (GPU only)
   paro               the same on init_process_group("paro"), PARO_GROUP_SIZE=2
-  EXTRA_STAGES       e.g. the engine's parity test on CUDA (add entries below)
+  EXTRA_STAGES       the CPU suite's workers on CUDA: paro's collectives (NCCL, Gloo sub-groups), engine parity
   paro chunk timing  tests/gpu/chunk_timing.py with PARO_MAX_CHUNKS=1 and with the default, side by side
 """
 
@@ -57,8 +57,37 @@ class Worker:
 
 # The engine's parity test on CUDA and other checks to come: one line per stage. A worker gets --backend <backend>
 # and ``args``; it prints ``CHECK <name>: ok | FAIL <reason> | skipped: <reason>`` lines and exits 0 when all passed.
+def suite(name: str, backend: str, worker: str, *args: str, env: dict[str, str], **kw: object) -> Worker:
+    """A stage running a worker of the CPU suite (tests/workers) on the stage's device (tests/gpu/suite_worker.py)."""
+    argv = ("--device", "{device}", worker, *args)
+    return Worker(name, "tests/gpu/suite_worker.py", backend, args=argv, env=env, **kw)  # type: ignore[arg-type]
+
+
 EXTRA_STAGES: list[Worker] = [
-    # Worker("engine parity", "tests/gpu/engine_parity.py", "paro", env={"PARO_GROUP_SIZE": "2"}, timeout=120),
+    # every collective, dtype and size of the paro backend (its CPU test) on CUDA tensors, NCCL sub-groups
+    suite("paro suite", "paro", "collectives.py", env={"PARO_GROUP_SIZE": "2", "PARO_CHUNK_BYTES": "256"}, timeout=120),
+    # the same on Gloo sub-groups for CUDA tensors (streams and events without NCCL)
+    suite(
+        "paro suite, gloo sub-groups",
+        "paro",
+        "collectives.py",
+        env={"PARO_GROUP_SIZE": "2", "PARO_CHUNK_BYTES": "256", "PARO_DEVICE_SUB_BACKEND": "gloo"},
+        timeout=120,
+        gpu_only=True,
+    ),
+    # ParoShardedModule against single-process training, the engine's groups on NCCL (cpu:gloo,cuda:nccl)
+    suite(
+        "engine parity",
+        "nccl",
+        "engine.py",
+        "plain",
+        "NNN",
+        "NNG",
+        "IIG",
+        "GGG",
+        env={"PARO_GROUP_SIZE": "2"},
+        timeout=150,
+    ),  # fmt: skip
 ]
 
 
