@@ -87,7 +87,9 @@ EXTRA_STAGES: list[Worker] = [
         "GGG",
         env={"PARO_GROUP_SIZE": "2"},
         timeout=150,
-    ),  # fmt: skip
+    ),
+    # a prefetching GGG engine holds about two units at a time (allocator peak on CUDA)
+    Worker("engine memory", "tests/gpu/engine_memory.py", "nccl", timeout=90),
 ]
 
 
