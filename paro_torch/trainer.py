@@ -67,6 +67,18 @@ _FORWARDED_METHODS = (
 """Methods of the Hugging Face model that the wrapper exposes as its own (bound to the model inside)."""
 
 
+def tokens_per_micro_step(dataset: Any, per_device_batch: int) -> int | None:
+    """Tokens one rank processes per micro-step, for ``auto``'s predicted step time.
+
+    The batch size times the length of the dataset's first ``input_ids``; None when the dataset cannot say (e.g. an
+    iterable one).
+    """
+    try:
+        return per_device_batch * len(dataset[0]["input_ids"])
+    except (TypeError, KeyError, IndexError, NotImplementedError):
+        return None
+
+
 class ParoTrainer(Trainer):
     """A ``transformers.Trainer`` that trains its model with PaRO-DP (``ParoShardedModule``).
 
@@ -83,6 +95,8 @@ class ParoTrainer(Trainer):
             ``_no_split_modules`` (its decoder layers).
         memory_budget: Bytes per rank for model states (for ``auto``, and a check otherwise).
         calibration: Link figures for ``auto`` (a ``LinkCalibration`` or a JSON path).
+        tokens_per_micro_step: Tokens one rank processes per micro-step, so that ``auto`` predicts compute too;
+            default ``per_device_train_batch_size`` times the length of the training set's first ``input_ids``.
 
     Raises:
         RuntimeError: torch.distributed is not initialized (launch with torchrun).
@@ -97,6 +111,7 @@ class ParoTrainer(Trainer):
         wrap_policy: WrapPolicy = None,
         memory_budget: int | None = None,
         calibration: Any = None,
+        tokens_per_micro_step: int | None = None,
         **trainer_kwargs: Any,
     ) -> None:
         self.paro_options = {
@@ -105,6 +120,7 @@ class ParoTrainer(Trainer):
             "wrap_policy": wrap_policy,
             "memory_budget": memory_budget,
             "calibration": calibration,
+            "tokens_per_micro_step": tokens_per_micro_step,
         }
         model = trainer_kwargs.get("model", trainer_args[0] if trainer_args else None)
         if isinstance(model, ParoShardedModule):
@@ -131,6 +147,9 @@ class ParoTrainer(Trainer):
         opts = dict(self.paro_options)
         if opts["wrap_policy"] is None:
             opts["wrap_policy"] = _no_split_classes(model)
+        if opts["tokens_per_micro_step"] is None:
+            batch = self.args.per_device_train_batch_size
+            opts["tokens_per_micro_step"] = tokens_per_micro_step(self.train_dataset, batch)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if self.args.bf16 else None
         paro = ParoShardedModule(
             model, opts.pop("strategy"), mixed_precision=mp, grad_accum=self.args.gradient_accumulation_steps, **opts

@@ -294,6 +294,9 @@ def check_auto(out: str) -> None:
     trainer = ParoTrainer(model=make_model(tie_word_embeddings=True), args=args, train_dataset=data)
     code = trainer.model.strategy.code
     assert code in paro_torch.STRATEGIES and trainer.model.plan is not None, code
+    # the Trainer told auto its tokens per micro-step (batch x the dataset's sequence length): compute is predicted
+    chosen = next(s for s in trainer.model.plan["strategies"] if s["code"] == code)
+    assert chosen["step"]["compute_s"] > 0, chosen["step"]
     assert trainer.model.param_dtype == torch.bfloat16
     trainer.train()
     tied = partial(make_model, tie_word_embeddings=True)
