@@ -451,13 +451,13 @@ fn check_stream_schedule(p: &Plan, inplace: bool, what: &str) {
     for i in 0..n {
         assert!(reach[i].contains(&ready) && reach[done].contains(&i), "{what}: step {i} outside ready..done");
     }
-    for b in 0..n {
+    for (b, before_b) in reach.iter().enumerate().take(n) {
         let (rb, wb) = (cells(&p.steps[b].src, inplace), cells(&p.steps[b].dst, inplace));
         for a in 0..b {
             let (ra, wa) = (cells(&p.steps[a].src, inplace), cells(&p.steps[a].dst, inplace));
             let conflict = !wa.is_disjoint(&rb) || !wa.is_disjoint(&wb) || !ra.is_disjoint(&wb);
             assert!(
-                !conflict || reach[b].contains(&a),
+                !conflict || before_b.contains(&a),
                 "{what}: steps {a} {:?} and {b} {:?} conflict but are not ordered",
                 p.steps[a],
                 p.steps[b]
