@@ -165,7 +165,10 @@ class System:
         from paro_torch.auto import LinkCalibration, choose_strategy, default_memory_budget, measure_links
 
         unit = decoder_layer_class()
-        wrapped = ParoShardedModule(model, option, wrap_policy={unit}, grad_accum=self.accum)
+        tokens = self.cfg["micro_batch"] * self.cfg["model"]["seq"]  # per rank and micro-step: the cost model's compute
+        wrapped = ParoShardedModule(
+            model, option, wrap_policy={unit}, grad_accum=self.accum, tokens_per_micro_step=tokens
+        )
         self.optimizer = torch.optim.AdamW(wrapped.parameters(), lr=self.lr)
         # The cost model's view of every strategy with the calibrated link figures (what `auto` weighs). For an
         # explicit strategy ParoShardedModule makes no plan, so ask the cost model the same question here.
@@ -178,6 +181,7 @@ class System:
             memory_budget=default_memory_budget(wrapped.groups.group_size),
             grad_accum=self.accum,
             sizes=wrapped.precision.bytes(),
+            tokens_per_micro_step=tokens,
         )
         mine = next(s for s in report["strategies"] if s["code"] == wrapped.strategy.code)
         self.extra["strategy"] = wrapped.strategy.code

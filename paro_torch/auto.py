@@ -2,8 +2,8 @@
 
 The probe times all-gathers of two sizes on the intra-group and the inter-group communicator (a few
 milliseconds on CPU): the small one gives the latency per ring step, the difference gives the bandwidth. It also
-times a matrix product (the rank's compute throughput) and an AdamW step (the optimizer's). Rank 0 decides; every
-rank uses its decision.
+times an MLP block's forward and backward (the rank's compute throughput) and an AdamW step (the optimizer's), on
+all ranks at once, as they run in training. Rank 0 decides; every rank uses its decision.
 """
 
 from __future__ import annotations
@@ -53,54 +53,72 @@ class LinkCalibration:
             raise ValueError(f"cannot read link calibration {path}: {e}; rerun paro_torch.calibrate()") from e
 
 
-def _time_all_gather(pg: dist.ProcessGroup, nbytes: int, repeats: int) -> float:
+def _time_all_gather(pg: dist.ProcessGroup, nbytes: int, repeats: int, device: torch.device) -> float:
     k = dist.get_world_size(pg)
-    x = torch.zeros(max(nbytes // (4 * k), 1))
-    out = torch.empty(x.numel() * k)
-    dist.all_gather_into_tensor(out, x, group=pg)  # warm-up: connections, allocations
+    x = torch.zeros(max(nbytes // (4 * k), 1), device=device)
+    out = torch.empty(x.numel() * k, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(2):  # warm-up: connections, allocations, first touch of the buffers
+        dist.all_gather_into_tensor(out, x, group=pg)
     times = []
     for _ in range(repeats):
         dist.barrier(group=pg)
         start = time.perf_counter()
         dist.all_gather_into_tensor(out, x, group=pg)
+        sync()
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
 
 
-def _level(pg: dist.ProcessGroup | None, small: int, large: int, repeats: int) -> tuple[float, float]:
+def _level(
+    pg: dist.ProcessGroup | None, small: int, large: int, repeats: int, device: torch.device
+) -> tuple[float, float]:
     """(bandwidth, latency) of one level from two all-gather sizes."""
     if pg is None:
         return _NO_LINK, 0.0
     k = dist.get_world_size(pg)
-    t_small = _time_all_gather(pg, small, repeats)
-    t_large = _time_all_gather(pg, large, repeats)
+    t_small = _time_all_gather(pg, small, repeats, device)
+    t_large = _time_all_gather(pg, large, repeats, device)
     steps = k - 1
     per_rank_bytes = (large - small) * steps / k
     bandwidth = per_rank_bytes / max(t_large - t_small, 1e-9)
     return bandwidth, t_small / steps
 
 
-def _best_seconds(fn: Any, repeats: int) -> float:
+def _mean_seconds(fn: Any, repeats: int, group: dist.ProcessGroup | None) -> float:
+    """Mean seconds of ``fn`` over ``repeats`` runs that start together on every rank of ``group``."""
     fn()  # warm-up
-    best = float("inf")
+    if group is not None:
+        dist.barrier(group=group)
+    start = time.perf_counter()
     for _ in range(repeats):
-        start = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return max(best, 1e-9)
+    return max((time.perf_counter() - start) / repeats, 1e-9)
 
 
-def measure_throughputs(device: torch.device, repeats: int = 3) -> tuple[float, float]:
-    """(FLOP/s of a 256 x 256 float32 matrix product, parameters/s of an AdamW step on 2^18 parameters)."""
+def measure_throughputs(
+    device: torch.device, repeats: int = 3, group: dist.ProcessGroup | None = None
+) -> tuple[float, float]:
+    """(FLOP/s of a layer's forward and backward, parameters/s of an AdamW step) on this rank.
+
+    The layer is an MLP block (two matrix products with an activation between them, as in a transformer) on
+    256 tokens of width 512 (4096 x 4096 on CUDA). Ranks that share a machine share its cores or its GPU while
+    they train, so every rank of ``group`` runs the probe at the same time and the mean of the runs counts, not
+    the best one.
+    """
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    a = torch.randn(256, 256, device=device)
+    tokens, width = (4096, 4096) if device.type == "cuda" else (256, 512)
+    layer = torch.nn.Sequential(
+        torch.nn.Linear(width, 2 * width), torch.nn.GELU(), torch.nn.Linear(2 * width, width)
+    ).to(device)
+    x = torch.randn(tokens, width, device=device)
 
-    def matmul() -> None:
-        a @ a
+    def layer_step() -> None:
+        layer(x).sum().backward()
         sync()
 
-    flops = 2 * 256**3 / _best_seconds(matmul, repeats)
-    p = torch.nn.Parameter(torch.zeros(1 << 18, device=device))
+    flops = 6 * (4 * width * width) * tokens / _mean_seconds(layer_step, repeats, group)  # 2 forward + 4 backward
+    p = torch.nn.Parameter(torch.zeros(1 << 20, device=device))
     p.grad = torch.zeros_like(p)
     opt = torch.optim.AdamW([p])
 
@@ -108,16 +126,29 @@ def measure_throughputs(device: torch.device, repeats: int = 3) -> tuple[float, 
         opt.step()
         sync()
 
-    return flops, (1 << 18) / _best_seconds(step, repeats)
+    return flops, (1 << 20) / _mean_seconds(step, repeats, group)
 
 
-def measure_links(groups: ParoGroups, small: int = 4 << 10, large: int = 1 << 20, repeats: int = 3) -> LinkCalibration:
-    """Measures both levels and this rank's throughputs; every rank returns the same (slowest-rank) figures."""
-    intra_bw, intra_lat = _level(groups.intra, small, large, repeats)
-    inter_bw, inter_lat = _level(groups.inter, small, large, repeats)
-    flops, params_per_s = measure_throughputs(torch.device("cpu"), repeats)
+def measure_links(
+    groups: ParoGroups,
+    small: int = 4 << 10,
+    large: int = 4 << 20,
+    repeats: int = 5,
+    device: torch.device | None = None,
+) -> LinkCalibration:
+    """Measures both levels and the ranks' throughputs on ``device`` (default: the CPU).
+
+    Every rank returns the same (slowest-rank) figures.
+    """
+    device = device or torch.device("cpu")
+    dist.barrier(group=groups.whole)  # every rank probes the same level at once, as in training
+    intra_bw, intra_lat = _level(groups.intra, small, large, repeats, device)
+    dist.barrier(group=groups.whole)
+    inter_bw, inter_lat = _level(groups.inter, small, large, repeats, device)
+    flops, params_per_s = measure_throughputs(device, repeats, groups.whole)
     # agree on the pessimistic figures: max latency, min bandwidth and throughput over ranks
-    t = torch.tensor([intra_lat, inter_lat, -intra_bw, -inter_bw, -flops, -params_per_s], dtype=torch.float64)
+    t = [intra_lat, inter_lat, -intra_bw, -inter_bw, -flops, -params_per_s]
+    t = torch.tensor(t, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups.whole)
     return LinkCalibration(
         intra_bandwidth=float(-t[2]),
@@ -129,9 +160,14 @@ def measure_links(groups: ParoGroups, small: int = 4 << 10, large: int = 1 << 20
     )
 
 
-def calibrate(path: str | os.PathLike[str] | None = None, group_size: int | None = None) -> LinkCalibration:
-    """Measures the links of this job's topology; rank 0 writes them to ``path`` when given."""
-    links = measure_links(build_groups(group_size))
+def calibrate(
+    path: str | os.PathLike[str] | None = None, group_size: int | None = None, device: torch.device | None = None
+) -> LinkCalibration:
+    """Measures the links of this job's topology and the throughputs on ``device`` (default: the CPU).
+
+    Rank 0 writes them to ``path`` when given.
+    """
+    links = measure_links(build_groups(group_size), device=device)
     if path is not None and dist.get_rank() == 0:
         links.save(path)
     return links
@@ -154,13 +190,14 @@ def choose_strategy(
     grad_accum: int,
     sizes: dict[str, int],
     tokens_per_micro_step: int | None = None,
+    activation_checkpointing: bool = False,
     only: str | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """Rank 0 asks the cost model for the fastest strategy that fits; every rank gets the same answer.
 
     With ``tokens_per_micro_step`` (and a measured compute throughput) the predicted step includes compute, which
-    hides communication; without it, the step is the communication schedule alone. With ``only``, checks that this
-    one strategy fits instead of choosing.
+    hides communication (``activation_checkpointing`` adds the recomputation); without it, the step is the
+    communication schedule alone. With ``only``, checks that this one strategy fits instead of choosing.
 
     Raises:
         ValueError: nothing (or ``only``) fits the memory budget, raised on every rank, with what it needs.
@@ -176,7 +213,7 @@ def choose_strategy(
             "inter_latency": links.inter_latency,
             "memory_bytes": memory_budget,
         },
-        "training": {"grad_accum": grad_accum, **sizes},
+        "training": {"grad_accum": grad_accum, "activation_checkpointing": activation_checkpointing, **sizes},
         "collectives": "hierarchical",
     }
     if links.optimizer_params_per_s is not None:

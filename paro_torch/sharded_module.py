@@ -174,6 +174,8 @@ class ParoShardedModule(nn.Module):
         grad_accum: Micro-steps per optimizer step, for the cost model.
         tokens_per_micro_step: Tokens (batch x sequence) one rank processes per micro-step, for the cost model:
             with it, auto's predicted step includes the compute that hides communication.
+        activation_checkpointing: Whether the units recompute their activations in backward, for the cost model;
+            default: the model says so (Hugging Face's ``is_gradient_checkpointing``, or ``checkpoint_wrapper``).
         calibration: Link and throughput figures for auto (a LinkCalibration or a JSON path; also
             PARO_CALIBRATION).
         sync_module_states: Broadcast rank 0's parameters and buffers (as DDP does; unit by unit), so that ranks
@@ -203,6 +205,7 @@ class ParoShardedModule(nn.Module):
         memory_budget: int | None = None,
         grad_accum: int = 1,
         tokens_per_micro_step: int | None = None,
+        activation_checkpointing: bool | None = None,
         calibration: LinkCalibration | str | None = None,
         sync_module_states: bool = True,
         broadcast_buffers: bool = True,
@@ -237,7 +240,11 @@ class ParoShardedModule(nn.Module):
             # an explicit strategy is only checked against the budget: links are measured for auto alone, and
             # the plan's times mean something only when link figures are given
             given = calibration is not None or os.environ.get("PARO_CALIBRATION")
-            links = _links(calibration, self.groups) if auto or given else LinkCalibration(1e10, 1e9, 1e-5, 1e-5)
+            links = (
+                _links(calibration, self.groups, self.device)
+                if auto or given
+                else LinkCalibration(1e10, 1e9, 1e-5, 1e-5)
+            )
             code, self.plan = choose_strategy(
                 self.cost_blocks,
                 self.groups,
@@ -246,6 +253,9 @@ class ParoShardedModule(nn.Module):
                 grad_accum=grad_accum,
                 sizes=self.precision.bytes(),
                 tokens_per_micro_step=tokens_per_micro_step,
+                activation_checkpointing=_checkpointed(module)
+                if activation_checkpointing is None
+                else activation_checkpointing,
                 only=None if auto else parsed.code if parsed else None,
             )
             if auto and self.groups.rank == 0:
@@ -861,6 +871,15 @@ def _mesh(groups: ParoGroups, device_type: str) -> DeviceMesh:
     return mesh
 
 
+def _checkpointed(module: nn.Module) -> bool:
+    """Whether the model recomputes activations in backward: Hugging Face's flag or torch's checkpoint wrapper."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    return bool(getattr(module, "is_gradient_checkpointing", False)) or any(
+        isinstance(m, CheckpointWrapper) for m in module.modules()
+    )
+
+
 def _cost_blocks(units: list[list[_Entry]], groups: ParoGroups) -> list[dict[str, Any]]:
     """Each unit's parameter counts and padded buffer sizes per granularity, for the cost model."""
     out = []
@@ -949,9 +968,9 @@ def _validate_everywhere(module: nn.Module, strategy: str, group_size: int, dtyp
     return parsed
 
 
-def _links(calibration: LinkCalibration | str | None, groups: ParoGroups) -> LinkCalibration:
+def _links(calibration: LinkCalibration | str | None, groups: ParoGroups, device: torch.device) -> LinkCalibration:
     """Link figures: given, read from a file (argument or PARO_CALIBRATION), else measured now."""
     if isinstance(calibration, LinkCalibration):
         return calibration
     path = calibration or os.environ.get("PARO_CALIBRATION")
-    return LinkCalibration.load(path) if path else measure_links(groups)
+    return LinkCalibration.load(path) if path else measure_links(groups, device=device)

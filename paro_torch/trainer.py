@@ -147,6 +147,7 @@ class ParoTrainer(Trainer):
         opts = dict(self.paro_options)
         if opts["wrap_policy"] is None:
             opts["wrap_policy"] = _no_split_classes(model)
+        opts["activation_checkpointing"] = bool(self.args.gradient_checkpointing)  # the Trainer turns it on later
         if opts["tokens_per_micro_step"] is None:
             batch = self.args.per_device_train_batch_size
             opts["tokens_per_micro_step"] = tokens_per_micro_step(self.train_dataset, batch)
