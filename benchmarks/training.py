@@ -319,6 +319,7 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
 
 TOLERANCE = 0.20  # the step model's target: predicted within 20 % of measured (issue #15)
 AUTO_SLACK = 0.05  # auto's pick within 5 % of the fastest measured strategy
+STEP_PARTS = ("compute_s", "exposed_intra_s", "exposed_inter_s", "exposed_global_s", "interference_s", "optimizer_s")
 
 
 def predicted_step_s(row: dict[str, Any]) -> float:
@@ -492,25 +493,17 @@ def markdown(result: dict[str, Any]) -> str:
                 f"### {scenario}: cost model vs measurement (paro strategies)",
                 "",
                 "Predicted step and its parts (s): compute, communication compute waits for per level (exposed), "
-                "optimizer; comm = every collective's time with nothing overlapped.",
+                "what collectives beside compute cost it (interference), optimizer; comm = every collective's time "
+                "with nothing overlapped.",
                 "",
-                "| strategy | predicted step | compute | exposed intra | exposed inter | exposed global | optimizer "
-                "| measured step | error | comm | predicted inter MB | paro counted inter MB | inter-node MB "
-                "| predicted rank | measured rank |",
-                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+                "| strategy | predicted step | compute | exposed intra | exposed inter | exposed global | interference "
+                "| optimizer | measured step | error | comm | predicted inter MB | paro counted inter MB "
+                "| inter-node MB | predicted rank | measured rank |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
             ]
             for t in sorted(pc["table"], key=lambda t: t["predicted_step_s"]):
                 st = t.get("predicted_step") or {}
-                parts = " | ".join(
-                    _f(st.get(k))
-                    for k in (
-                        "compute_s",
-                        "exposed_intra_s",
-                        "exposed_inter_s",
-                        "exposed_global_s",
-                        "optimizer_s",
-                    )  # fmt: skip
-                )
+                parts = " | ".join(_f(st.get(k)) for k in STEP_PARTS)
                 lines.append(
                     f"| {t['strategy']} | {t['predicted_step_s']:.3f} | {parts} | {t['step_s']:.3f} "
                     f"| {t['error']:+.0%} | {t['predicted_time_s']:.3f} | {_mb(t['predicted_inter_bytes'])} "

@@ -70,7 +70,8 @@ def main() -> None:
     strategy = args.strategy
     if strategy.startswith("paro"):  # decoder layers as units (the string names use no wrap policy)
         code = strategy.removeprefix("paro").removeprefix("_") or "auto"
-        strategy = ParoStrategy(code, wrap_policy={LlamaDecoderLayer})
+        tokens = args.micro_batch * args.seq  # per rank and step of the module: auto predicts the compute too
+        strategy = ParoStrategy(code, wrap_policy={LlamaDecoderLayer}, tokens_per_micro_step=tokens)
     trainer = L.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                         num_nodes=int(os.environ.get("WORLD_SIZE", 1)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                         strategy=strategy, precision=args.precision, max_steps=args.steps,

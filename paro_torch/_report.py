@@ -17,7 +17,7 @@ def format_report(report: dict[str, Any]) -> str:
         "",
     ]
     header = ("strategy", "known as", "memory/rank", "intra/step", "inter/step", "comm", "step", "compute",
-              "exposed", "optimizer", "fits")  # fmt: skip
+              "exposed", "interference", "optimizer", "fits")  # fmt: skip
     rows = [
         (
             s["code"],
@@ -29,6 +29,7 @@ def format_report(report: dict[str, Any]) -> str:
             _seconds(s["step"]["step_s"]),
             _seconds(s["step"]["compute_s"]),
             _seconds(_exposed(s["step"])),
+            _seconds(s["step"].get("interference_s", 0.0)),
             _seconds(s["step"]["optimizer_s"]),
             "yes" if s["fits"] else "no",
         )
@@ -41,7 +42,7 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append("")
     lines.append(
         "comm: all collectives of a step one after another; step: predicted step time = compute + exposed "
-        "communication (what compute waits for) + optimizer"
+        "communication (what compute waits for) + interference (what collectives beside compute cost it) + optimizer"
     )
     lines.append(f"auto: {report['reason']}")
     lines.extend(f"note: {note}" for note in report["notes"])

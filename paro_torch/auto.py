@@ -3,14 +3,17 @@
 The probe times all-gathers of two sizes on the intra-group and the inter-group communicator (a few
 milliseconds on CPU): the small one gives the latency per ring step, the difference gives the bandwidth. It also
 times an MLP block's forward and backward (the rank's compute throughput) and an AdamW step (the optimizer's), on
-all ranks at once, as they run in training. Rank 0 decides; every rank uses its decision.
+all ranks at once, as they run in training, and how much compute slows while each level's collectives run beside
+it. Rank 0 decides; every rank uses its decision.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,6 +42,10 @@ class LinkCalibration:
     """Matrix-product throughput of one rank, FLOP/s (None: not measured)."""
     optimizer_params_per_s: float | None = None
     """Parameters an AdamW step updates per second on one rank (None: not measured)."""
+    intra_overlap: float | None = None
+    """How well intra-group collectives run beside compute, 0 to 1 (None: not measured, taken as 1: for free)."""
+    inter_overlap: float | None = None
+    """The same for inter-group collectives."""
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Writes the figures as JSON (reuse them with ``PARO_CALIBRATION=path``)."""
@@ -96,15 +103,10 @@ def _mean_seconds(fn: Any, repeats: int, group: dist.ProcessGroup | None) -> flo
     return max((time.perf_counter() - start) / repeats, 1e-9)
 
 
-def measure_throughputs(
-    device: torch.device, repeats: int = 3, group: dist.ProcessGroup | None = None
-) -> tuple[float, float]:
-    """(FLOP/s of a layer's forward and backward, parameters/s of an AdamW step) on this rank.
+def _mlp_step(device: torch.device) -> tuple[Any, float]:
+    """(a forward and backward of an MLP block, its FLOPs): the probe's stand-in for a transformer's compute.
 
-    The layer is an MLP block (two matrix products with an activation between them, as in a transformer) on
-    256 tokens of width 512 (4096 x 4096 on CUDA). Ranks that share a machine share its cores or its GPU while
-    they train, so every rank of ``group`` runs the probe at the same time and the mean of the runs counts, not
-    the best one.
+    Two matrix products with an activation between them, on 256 tokens of width 512 (4096 x 4096 on CUDA).
     """
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     tokens, width = (4096, 4096) if device.type == "cuda" else (256, 512)
@@ -117,7 +119,20 @@ def measure_throughputs(
         layer(x).sum().backward()
         sync()
 
-    flops = 6 * (4 * width * width) * tokens / _mean_seconds(layer_step, repeats, group)  # 2 forward + 4 backward
+    return layer_step, 6 * (4 * width * width) * tokens  # 2 FLOPs per weight and token forward, 4 backward
+
+
+def measure_throughputs(
+    device: torch.device, repeats: int = 3, group: dist.ProcessGroup | None = None
+) -> tuple[float, float]:
+    """(FLOP/s of an MLP block's forward and backward, parameters/s of an AdamW step) on this rank.
+
+    Ranks that share a machine share its cores or its GPU while they train, so every rank of ``group`` runs the
+    probe at the same time and the mean of the runs counts, not the best one.
+    """
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    layer_step, flops = _mlp_step(device)
+    flops_per_s = flops / _mean_seconds(layer_step, repeats, group)
     p = torch.nn.Parameter(torch.zeros(1 << 20, device=device))
     p.grad = torch.zeros_like(p)
     opt = torch.optim.AdamW([p])
@@ -126,7 +141,67 @@ def measure_throughputs(
         opt.step()
         sync()
 
-    return flops, (1 << 20) / _mean_seconds(step, repeats, group)
+    return flops_per_s, (1 << 20) / _mean_seconds(step, repeats, group)
+
+
+def measure_overlap(
+    device: torch.device,
+    group: dist.ProcessGroup,
+    nbytes: int = 4 << 20,
+    repeats: int = 2,
+    trials: int = 3,
+    align: dist.ProcessGroup | None = None,
+) -> float:
+    """How well communication runs beside compute on this rank: the cost model's ``overlap``, from 0 to 1.
+
+    Times a loop of MLP steps alone, a loop of all-gathers over ``group`` that takes about as long, and both at once
+    (the gathers on a thread, as the engine issues them); the fraction of the shorter loop that disappears when
+    they run together.
+    1: collectives cost compute nothing (a GPU's copy engines and NICs); 0: they take their whole time from it
+    (ranks whose collectives run on the CPU cores their compute needs). The median of ``trials``; every loop
+    starts after a barrier on ``align`` (default ``group``), so that ranks sharing a machine run the same loop.
+    """
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    layer_step, _ = _mlp_step(device)
+    k = dist.get_world_size(group)
+    x = torch.zeros(max(nbytes // (4 * k), 1), device=device)
+    out = torch.empty(x.numel() * k, device=device)
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    count = {"gathers": 1}  # gathers per loop: as many as take about as long as the compute loop
+
+    def computes() -> None:
+        for _ in range(repeats):
+            layer_step()
+
+    def gathers() -> None:
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for _ in range(count["gathers"]):
+                dist.all_gather_into_tensor(out, x, group=group)
+            sync()
+
+    def timed(fn: Any) -> float:
+        dist.barrier(group=align or group)
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    def both() -> None:
+        thread = threading.Thread(target=gathers, name="paro-probe-gathers")
+        thread.start()
+        computes()
+        thread.join()
+
+    one_gather, compute = timed(gathers), timed(computes)  # also the warm-up
+    n = torch.tensor([min(max(round(compute / max(one_gather, 1e-9)), 1), 256)], device=device)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=align or group)  # the same number of collectives everywhere
+    count["gathers"] = int(n.item())
+    fractions = []
+    for _ in range(trials):
+        alone_compute, alone_gathers, together = timed(computes), timed(gathers), timed(both)
+        hidden = alone_compute + alone_gathers - together
+        fractions.append(min(max(hidden / min(alone_compute, alone_gathers), 0.0), 1.0))
+    return sorted(fractions)[len(fractions) // 2]
 
 
 def measure_links(
@@ -146,6 +221,11 @@ def measure_links(
     dist.barrier(group=groups.whole)
     inter_bw, inter_lat = _level(groups.inter, small, large, repeats, device)
     flops, params_per_s = measure_throughputs(device, repeats, groups.whole)
+    overlap = [measure_overlap(device, pg, align=groups.whole) if pg is not None else 1.0
+               for pg in (groups.intra, groups.inter)]  # fmt: skip
+    overlap = torch.tensor(overlap, dtype=torch.float64, device=device)
+    dist.all_reduce(overlap, group=groups.whole)  # the ranks' mean: a noisy figure, not a bound
+    overlap /= groups.world
     # agree on the pessimistic figures: max latency, min bandwidth and throughput over ranks
     t = [intra_lat, inter_lat, -intra_bw, -inter_bw, -flops, -params_per_s]
     t = torch.tensor(t, dtype=torch.float64, device=device)
@@ -157,6 +237,8 @@ def measure_links(
         inter_latency=float(t[1]),
         compute_flops=float(-t[4]),
         optimizer_params_per_s=float(-t[5]),
+        intra_overlap=float(overlap[0]),
+        inter_overlap=float(overlap[1]),
     )
 
 
@@ -218,6 +300,9 @@ def choose_strategy(
     }
     if links.optimizer_params_per_s is not None:
         request["cluster"]["optimizer_params_per_s"] = links.optimizer_params_per_s
+    for name in ("intra_overlap", "inter_overlap"):
+        if getattr(links, name) is not None:
+            request["cluster"][name] = getattr(links, name)
     if tokens_per_micro_step is not None and links.compute_flops is not None:
         request["cluster"]["compute_flops"] = links.compute_flops
         request["training"].update(micro_batch=1, seq_len=tokens_per_micro_step)

@@ -55,6 +55,11 @@ class ParoStrategy(DDPStrategy):
         mixed_precision: A ``MixedPrecisionPolicy``; default from the Trainer's precision (see the module notes).
         memory_budget: Bytes per rank for model states (``auto``, and a check otherwise).
         calibration: Link figures for ``auto`` (a ``LinkCalibration`` or a JSON path).
+        tokens_per_micro_step: Tokens (batch x sequence) one rank processes per training step of the LightningModule,
+            so that ``auto`` predicts the compute that hides communication too (Lightning wraps the model before the
+            data is set up, so it cannot be read off the dataloader).
+        activation_checkpointing: Whether the model recomputes activations in backward, for ``auto``; default: the
+            model says so (Hugging Face's ``is_gradient_checkpointing``, or ``checkpoint_wrapper``).
         **kwargs: Lightning's DDP strategy arguments (``accelerator``, ``parallel_devices``, ``cluster_environment``,
             ``checkpoint_io``, ``precision_plugin``, ``process_group_backend``, ``timeout``, ``start_method``).
 
@@ -73,6 +78,8 @@ class ParoStrategy(DDPStrategy):
         mixed_precision: MixedPrecisionPolicy | None = None,
         memory_budget: int | None = None,
         calibration: Any = None,
+        tokens_per_micro_step: int | None = None,
+        activation_checkpointing: bool | None = None,
         **kwargs: Any,
     ) -> None:
         if strategy.strip().lower() != "auto":
@@ -86,6 +93,8 @@ class ParoStrategy(DDPStrategy):
             "wrap_policy": wrap_policy,
             "memory_budget": memory_budget,
             "calibration": calibration,
+            "tokens_per_micro_step": tokens_per_micro_step,
+            "activation_checkpointing": activation_checkpointing,
         }
         self._mixed_precision = mixed_precision
 

@@ -263,6 +263,8 @@ class ParoShardedModule(nn.Module):
             parsed = _C.Strategy(code)
         assert parsed is not None
         self.strategy = parsed
+        self._gather_ahead = parsed.gather_ahead
+        """Units past the computing one whose gathers may be in flight: the cost model's rule (its IssuePolicy)."""
         self.mesh = _mesh(self.groups, self.device.type)
         """The (intra, inter) mesh of the sharded parameters (DTensors); its groups serve DTensor ops only."""
         self._rgroups = twin_groups(self.groups)
@@ -417,7 +419,7 @@ class ParoShardedModule(nn.Module):
         pending = self._gathered.pop(unit, None)
         if prefetch and self._pass_next < len(self._pass):
             before = len(self._gathered)
-            self._submit_through(self._pass_next)
+            self._submit_through(i + (self._gather_ahead or len(self._pass)))
             self.prefetches += len(self._gathered) - before
         if pending is not None:
             pending.result()
@@ -605,7 +607,7 @@ class ParoShardedModule(nn.Module):
         self._begin_pass(self._fwd_order)
         self._root_grad = torch.is_grad_enabled()
         self._needs_bwd.zero_()
-        if self.strategy.p == N:
+        if self._gather_ahead is None:  # p = N: every unit's t_syncp now (see IssuePolicy in the cost model)
             self._submit_through(len(self._fwd_order) - 1)
             self.prefetches += len(self._gathered) - (root in self._gathered)
         root.state = TrainingState.FORWARD

@@ -117,7 +117,8 @@ def check_train(out: Path) -> None:
     start = params(*fit("ddp", epochs=EPOCHS - 1))  # the check can fail: the last epoch moves far more than TOL
     assert worst(start, want) > 100 * TOL
     done = []
-    for strategy in ("paro", "paro_IIG", ParoStrategy("GGG", group_size=2)):
+    timed = ParoStrategy("auto", group_size=2, tokens_per_micro_step=BATCH)  # one "token" per sample here
+    for strategy in ("paro", "paro_IIG", ParoStrategy("GGG", group_size=2), timed):
         t, module = fit(strategy)
         model = t.strategy.model
         assert isinstance(model, paro_torch.ParoShardedModule), type(model)
@@ -127,6 +128,9 @@ def check_train(out: Path) -> None:
         lr = t.optimizers[0].param_groups[0]["lr"]
         assert abs(lr - 1e-2 * 0.7**STEPS) < 1e-12, lr
         done.append(f"{getattr(strategy, 'paro_strategy', strategy)}->{model.strategy.code} {diff:.2e}")
+        if model.plan is not None:  # auto: the predicted step has compute exactly when the tokens are known
+            step = next(s["step"] for s in model.plan["strategies"] if s["code"] == model.strategy.code)
+            assert (step["compute_s"] > 0) == (strategy is timed), (strategy, step)
     report("train", ", ".join(done))
 
 

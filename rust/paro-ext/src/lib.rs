@@ -78,6 +78,13 @@ impl PyStrategy {
         self.0.code()
     }
 
+    /// How many units past the computing one the engine may gather ahead (None: all at the start of a pass);
+    /// the cost model's step schedule assumes the same (`paro_core::cost::IssuePolicy`).
+    #[getter]
+    fn gather_ahead(&self) -> Option<usize> {
+        paro_core::cost::IssuePolicy::of(self.0).gather_ahead
+    }
+
     /// The well-known name (ddp, zero1, zero2, zero3, mics, hsdp_zero2), if any.
     #[getter]
     fn known_as(&self) -> Option<&'static str> {

@@ -47,8 +47,10 @@ fn choice_reason(
 ) -> String {
     let pct = |x: f64| format!("{}%", trim_float(x * 100.0));
     let t = &best.step;
+    let interference =
+        if t.interference_s > 0.0 { format!(", {} interference", secs(t.interference_s)) } else { String::new() };
     let cost = format!(
-        "{} per step: {} compute, {} optimizer, {} exposed communication; {} per rank",
+        "{} per step: {} compute, {} optimizer, {} exposed communication{interference}; {} per rank",
         secs(t.step_s),
         secs(t.compute_s),
         secs(t.optimizer_s),

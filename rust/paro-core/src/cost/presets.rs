@@ -91,6 +91,8 @@ impl GpuPreset {
             memory_bytes: self.memory_bytes,
             compute_flops: Some(self.peak_flops * efficiency),
             optimizer_params_per_s: Some(self.memory_bandwidth / OPTIMIZER_BYTES_PER_PARAM),
+            intra_overlap: None,
+            inter_overlap: None,
         })
     }
 }

@@ -61,6 +61,16 @@ pub struct Cluster {
     /// Parameters the optimizer updates per second on one rank (measured). Without it the step is free.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub optimizer_params_per_s: Option<f64>,
+    /// How well intra-group communication runs beside compute, in [0, 1]: 1 (the default) leaves compute as fast
+    /// as alone (a GPU's copy engines and NVLink); 0 slows it by all the time the communication ran beside it
+    /// (collectives that run on the CPU cores the compute needs, e.g. Gloo over loopback). Measured by the probe
+    /// (`paro_torch.auto`): how much of the shorter of a compute loop and an all-gather loop disappears when the
+    /// two run at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub intra_overlap: Option<f64>,
+    /// See `intra_overlap`, for inter-group communication.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inter_overlap: Option<f64>,
 }
 
 /// How the model is trained.
@@ -150,6 +160,13 @@ pub(super) fn validate_cluster(c: &Cluster) -> Result<()> {
         if let Some(v) = v {
             if !(v.is_finite() && v > 0.0) {
                 return Err(ParoError::Invalid(format!("{name} {v} must be a positive number per second, or absent")));
+            }
+        }
+    }
+    for (name, v) in [("intra_overlap", c.intra_overlap), ("inter_overlap", c.inter_overlap)] {
+        if let Some(v) = v {
+            if !(0.0..=1.0).contains(&v) {
+                return Err(ParoError::Invalid(format!("{name} {v} must be a fraction from 0 to 1, or absent")));
             }
         }
     }

@@ -3,7 +3,7 @@
 //! Each micro-step runs the units' forwards in order, then their backwards in reverse, on the compute stream. A
 //! unit's parameters are gathered before its forward and again before its backward; the engine prefetches the
 //! next unit's gather while the current one computes, with at most two units unsharded (the gather of unit u+1
-//! waits for the compute of unit u−1). After a unit's backward its gradients are reduced (g ≠ N); at the last
+//! waits for the compute of unit u−1; [`IssuePolicy`], which the engine follows too). After a unit's backward its gradients are reduced (g ≠ N); at the last
 //! micro-step t_syncg follows. The optimizer step waits for every reduction. t_syncp of a unit runs right
 //! before its first gather of the next step, after the optimizer step, so it hides only behind the forward of
 //! earlier units. Collectives queue on their level's links in issue order (an intra-group and an inter-group
@@ -15,7 +15,31 @@ use super::traffic::Call;
 use super::Context;
 use crate::comm::Level;
 use crate::error::Result;
-use crate::strategy::Strategy;
+use crate::strategy::{Granularity, Strategy};
+
+/// When the engine issues a unit's parameter gather, relative to the unit computing now. The one statement of the
+/// rule: the engine (`ParoShardedModule`, through `Strategy.gather_ahead`) issues by it and [`Context::step_time`]
+/// simulates it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IssuePolicy {
+    /// How many units past the one computing may have their gathers issued (so at most `1 + gather_ahead` units
+    /// are unsharded at once); `None`: every unit's at the start of the pass, which only p = N does, where nothing
+    /// is gathered and t_syncp writes the parameters in place.
+    pub gather_ahead: Option<usize>,
+}
+
+impl IssuePolicy {
+    /// The engine's rule for `s`: one unit ahead where parameters are sharded, all at once where they are not.
+    pub fn of(s: Strategy) -> IssuePolicy {
+        IssuePolicy { gather_ahead: if s.p == Granularity::N { None } else { Some(1) } }
+    }
+
+    /// Where in a pass (forward or backward, positions in its order) the unit is whose compute must end before
+    /// the gather of the unit at position `next` may start: `next - 1 - gather_ahead`, or none.
+    fn frees_memory_for(self, next: usize) -> Option<usize> {
+        self.gather_ahead.and_then(|a| next.checked_sub(a + 1))
+    }
+}
 
 /// Predicted time of one training step and its parts; `step_s` is the sum of the others.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
@@ -30,6 +54,10 @@ pub struct StepTime {
     pub exposed_inter_s: f64,
     /// See `exposed_intra_s` (global collectives use both levels' links).
     pub exposed_global_s: f64,
+    /// What communication running beside compute costs compute: the share of communication time compute did not
+    /// wait for, times each level's time weighted by (1 − that level's overlap); 0 when both overlaps are 1.
+    #[serde(default)]
+    pub interference_s: f64,
     /// The whole step, seconds.
     pub step_s: f64,
 }
@@ -42,6 +70,11 @@ struct Sim {
     /// When the compute stream, the intra links and the inter links are next free.
     free: [f64; 3],
     time: StepTime,
+    /// Seconds of every collective run, summed.
+    communication_s: f64,
+    /// The same, each level's part weighted by (1 − its overlap): what the collectives would take from compute if
+    /// they all ran beside it.
+    interference_s: f64,
 }
 
 impl Sim {
@@ -63,6 +96,9 @@ impl Sim {
             }
         }
         let end = start + seconds;
+        if level.is_some() {
+            self.communication_s += seconds;
+        }
         for &r in slots {
             self.free[r] = end;
         }
@@ -83,6 +119,7 @@ impl Context<'_> {
         let calls = (0..units).map(|u| self.unit_calls(s, u)).collect::<Result<Vec<_>>>()?;
         let flops: Vec<_> = (0..units).map(|u| self.unit_flops(u)).collect();
         let accum = self.req.training.grad_accum as usize;
+        let policy = IssuePolicy::of(s);
         let mut sim = Sim::default();
         // issues `list` one after another after `first`; returns the last (or `first` when empty)
         let chain = |sim: &mut Sim, list: &[Call], first: Option<usize>, memory: Option<usize>| {
@@ -94,13 +131,17 @@ impl Context<'_> {
                     Level::Global => &[1, 2],
                 };
                 last = Some(sim.run(slots, self.call_seconds(c), &[last, memory], Some(c.level)));
+                let (intra, inter) = self.level_seconds(&c.traffic);
+                let cluster = &self.req.cluster;
+                sim.interference_s += (1.0 - cluster.intra_overlap.unwrap_or(1.0)) * intra
+                    + (1.0 - cluster.inter_overlap.unwrap_or(1.0)) * inter;
             }
             last
         };
         let mut boundary = Vec::new();
         for micro in 0..accum {
             let sync_param = |u: usize| if micro == 0 { &calls[u].sync_param[..] } else { &[][..] };
-            // forward: unit u+1's gather is issued before unit u computes, once unit u-1 has computed
+            // forward: unit u+1's gather is issued before unit u computes, once the policy lets it hold memory
             let mut forward: Vec<usize> = Vec::with_capacity(units);
             let mut ready = {
                 let synced = chain(&mut sim, sync_param(0), None, None);
@@ -108,7 +149,7 @@ impl Context<'_> {
             };
             for u in 0..units {
                 let next = if u + 1 < units {
-                    let memory = u.checked_sub(1).map(|v| forward[v]);
+                    let memory = policy.frees_memory_for(u + 1).map(|v| forward[v]);
                     let synced = chain(&mut sim, sync_param(u + 1), None, None);
                     chain(&mut sim, &calls[u + 1].gather, synced, memory)
                 } else {
@@ -123,7 +164,10 @@ impl Context<'_> {
             let mut ready = chain(&mut sim, &calls[units - 1].gather, None, last_forward);
             for u in (0..units).rev() {
                 let next = if u > 0 {
-                    let memory = backward.get(u + 1).copied().flatten().or(last_forward);
+                    // the reverse pass's position of unit u-1 is units-u; the unit freeing memory for it, in
+                    // the same pass, is units-1-v for position v
+                    let memory =
+                        policy.frees_memory_for(units - u).and_then(|v| backward[units - 1 - v]).or(last_forward);
                     chain(&mut sim, &calls[u - 1].gather, None, memory)
                 } else {
                     None
@@ -144,7 +188,37 @@ impl Context<'_> {
         let mut time = sim.time;
         time.optimizer_s = optimizer_s;
         time.compute_s = flops.iter().map(|f| self.compute_seconds(f.forward + f.backward)).sum::<f64>() * accum as f64;
-        time.step_s = sim.free[0];
+        if time.compute_s > 0.0 && sim.communication_s > 0.0 {
+            // only communication that ran beside compute slows it; without compute nothing did
+            let exposed = time.exposed_intra_s + time.exposed_inter_s + time.exposed_global_s;
+            let beside = (sim.communication_s - exposed).max(0.0) / sim.communication_s;
+            time.interference_s = beside * sim.interference_s;
+        }
+        time.step_s = sim.free[0] + time.interference_s;
         Ok(time)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::IssuePolicy;
+    use crate::strategy::Strategy;
+
+    #[test]
+    fn gathers_run_one_unit_ahead_where_parameters_are_sharded() {
+        for s in Strategy::all_valid() {
+            let policy = IssuePolicy::of(s);
+            if s.code().starts_with('N') {
+                assert_eq!(policy.gather_ahead, None, "{}", s.code());
+                assert_eq!(policy.frees_memory_for(5), None);
+            } else {
+                assert_eq!(policy.gather_ahead, Some(1), "{}", s.code());
+                // the gather at position 2 waits for position 0's compute: two units unsharded at most
+                assert_eq!(
+                    (0..4).map(|n| policy.frees_memory_for(n)).collect::<Vec<_>>(),
+                    [None, None, Some(0), Some(1)]
+                );
+            }
+        }
     }
 }

@@ -23,6 +23,8 @@ fn cluster(world: usize) -> Cluster {
         memory_bytes: 80_000_000_000,
         compute_flops: None,
         optimizer_params_per_s: None,
+        intra_overlap: None,
+        inter_overlap: None,
     }
 }
 
@@ -144,6 +146,8 @@ fn exact_bytes_and_time_of_one_iig_step() {
             memory_bytes: 1 << 40,
             compute_flops: None,
             optimizer_params_per_s: None,
+            intra_overlap: None,
+            inter_overlap: None,
         },
     );
     req.training.grad_accum = 3;
@@ -322,7 +326,8 @@ fn step_time_is_compute_plus_optimizer_plus_exposed_communication() {
     for report in reports {
         for e in &report.strategies {
             let t = &e.step;
-            let parts = t.compute_s + t.optimizer_s + t.exposed_intra_s + t.exposed_inter_s + t.exposed_global_s;
+            let exposed = t.exposed_intra_s + t.exposed_inter_s + t.exposed_global_s;
+            let parts = t.compute_s + t.optimizer_s + exposed + t.interference_s;
             assert!((parts - t.step_s).abs() <= 1e-9 * t.step_s, "{}: {t:?}", e.code);
             // overlap hides at most all of the communication, and never stretches compute
             assert!(t.step_s >= t.compute_s + t.optimizer_s, "{}", e.code);
@@ -346,6 +351,8 @@ fn the_schedule_of_a_ddp_step_by_hand() {
         memory_bytes: 1 << 40,
         compute_flops: Some(1.0),
         optimizer_params_per_s: Some(1.0),
+        intra_overlap: None,
+        inter_overlap: None,
     };
     let mut req = request(blocks(&[(10, 10), (10, 10)]), None, cluster);
     req.strategies = Some(vec!["NNN".into()]);
@@ -359,6 +366,16 @@ fn the_schedule_of_a_ddp_step_by_hand() {
     req.training.grad_accum = 2;
     let t = find(&estimate(&req).unwrap(), "NNN").step;
     assert_eq!((t.step_s, t.compute_s, t.optimizer_s, t.exposed_global_s), (280.0, 240.0, 20.0, 20.0));
+    // communication that slows compute: of the 40 s of (intra-group) all-reduces 20 s ran beside the backward of
+    // unit 0, which takes (1 - intra_overlap) of that longer; with overlap 0 the step is everything in a row
+    for (overlap, interference) in [(0.5, 10.0), (0.0, 20.0)] {
+        req.cluster.intra_overlap = Some(overlap);
+        req.cluster.inter_overlap = Some(1.0); // nothing crosses groups here
+        let t = find(&estimate(&req).unwrap(), "NNN").step;
+        assert_eq!((t.interference_s, t.step_s), (interference, 280.0 + interference));
+    }
+    req.cluster.inter_overlap = Some(1.5);
+    assert!(estimate(&req).unwrap_err().to_string().contains("inter_overlap 1.5 must be a fraction"));
 }
 
 #[test]

@@ -1,0 +1,98 @@
+"""The cost model's predicted step time against measured, over training benchmark runs (issue #15's validation).
+
+Reads the JSON files that ``benchmarks/training.py`` wrote (one per cluster shape and link rate, every paro
+strategy and ``auto`` in each scenario) and prints one markdown report: per shape and scenario, how many strategies
+the model predicted within 20 % of their measured step time, its median error, and whether ``auto``'s pick ran within
+5 % of the fastest measured strategy; then every cell.
+
+    python3 benchmarks/step_model.py benchmarks/results/training-2x2-1gbit-step.json ... --out results/step-model.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from training import AUTO_SLACK, STEP_PARTS, TOLERANCE
+
+
+def shape_name(result: dict[str, Any]) -> str:
+    cf = result["config"]
+    return f"{cf['nodes']} x {cf['per_node']}, {result['link']['rate']}"
+
+
+def report(results: list[dict[str, Any]]) -> str:
+    """The markdown report over ``results`` (the parsed JSON files)."""
+    commits = sorted({r["machine"]["git_commit"][:10] + (" (dirty)" if r["machine"]["git_dirty"] else "")
+                      for r in results})  # fmt: skip
+    lines = [
+        "# The step model against measured step times",
+        "",
+        f"Commit {', '.join(commits)}; {results[0]['machine']['nproc']} cores; each cell one launch "
+        "(median over its measured steps). Error = predicted / measured - 1.",
+        "",
+        f"| shape | scenario | strategies | within {TOLERANCE:.0%} | median error | worst error | Spearman ρ "
+        f"| fastest measured | auto picked | pick / fastest (target ≤ {1 + AUTO_SLACK:.2f}) "
+        "| auto's own run / fastest |",
+        "|---|---|---:|---:|---:|---:|---:|---|---|---:|---:|",
+    ]
+    cells = within = 0
+    for result in results:
+        for scenario, pc in result["predictions"].items():
+            if not pc.get("n"):
+                continue
+            errors = [t["error"] for t in pc["table"]]
+            cells += len(errors)
+            within += pc["within_tolerance"]
+            worst = max(errors, key=abs)
+            ratio = pc.get("auto_pick_vs_fastest")
+            own = pc["auto_step_s"] / pc["fastest_measured_step_s"] if "auto_step_s" in pc else None
+            lines.append(
+                f"| {shape_name(result)} | {scenario} | {pc['n']} | {pc['within_tolerance']} "
+                f"| {statistics.median(errors):+.0%} | {worst:+.0%} | {_f(pc.get('spearman_time'), '{:.2f}')} "
+                f"| {pc['fastest_measured']} | {pc.get('auto_choice', '–')} | {_f(ratio, '{:.3f}')} "
+                f"| {_f(own, '{:.3f}')} |"
+            )
+    lines += ["", f"In all: {within} of {cells} cells within {TOLERANCE:.0%} ({within / max(cells, 1):.0%})."]
+    for result in results:
+        for scenario, pc in result["predictions"].items():
+            if not pc.get("n"):
+                continue
+            lines += [
+                "",
+                f"## {shape_name(result)}, {scenario}",
+                "",
+                "| strategy | predicted s | compute | exposed intra | exposed inter | exposed global | interference "
+                "| optimizer | measured s | error |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            ]
+            for t in sorted(pc["table"], key=lambda t: t["step_s"]):
+                st = t.get("predicted_step") or {}
+                parts = " | ".join(_f(st.get(k), "{:.3f}") for k in STEP_PARTS)
+                lines.append(
+                    f"| {t['strategy']} | {t['predicted_step_s']:.3f} | {parts} | {t['step_s']:.3f} "
+                    f"| {t['error']:+.0%} |"
+                )
+    return "\n".join(lines) + "\n"
+
+
+def _f(x: float | None, fmt: str) -> str:
+    return "–" if x is None else fmt.format(x)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("results", nargs="+", type=Path, help="JSON files of benchmarks/training.py")
+    ap.add_argument("--out", type=Path, help="also write the report here")
+    args = ap.parse_args()
+    text = report([json.loads(p.read_text()) for p in args.results])
+    if args.out:
+        args.out.write_text(text)
+    print(text, end="")
+
+
+if __name__ == "__main__":
+    main()
