@@ -148,7 +148,7 @@ def measure_overlap(
     device: torch.device,
     group: dist.ProcessGroup,
     nbytes: int = 4 << 20,
-    repeats: int = 2,
+    repeats: int = 1,
     trials: int = 3,
     align: dist.ProcessGroup | None = None,
 ) -> float:

@@ -32,8 +32,9 @@ def main() -> None:
     start = time.perf_counter()
     links = measure_links(groups)
     probe = time.perf_counter() - start
-    # links, a matrix product and AdamW steps (the first one in a process loads the optimizer's code: ~1 s)
-    assert probe < 4.0, f"the probe took {probe:.2f}s"
+    # links, MLP and AdamW steps (the first one in a process loads the optimizer's code: ~1 s) and the overlap
+    # of each level's gathers with compute: a few seconds for 4 ranks on 2 cores
+    assert probe < 8.0, f"the probe took {probe:.2f}s"
     assert links.intra_bandwidth > 0 and links.inter_bandwidth > 0, links
     assert links.compute_flops and links.compute_flops > 1e8 and links.optimizer_params_per_s, links
 
