@@ -60,11 +60,20 @@ class LinkCalibration:
             raise ValueError(f"cannot read link calibration {path}: {e}; rerun paro_torch.calibrate()") from e
 
 
+def _sync(device: torch.device) -> Any:
+    """A function that waits for the device's queued work (nothing to wait for on the CPU)."""
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def _gather_buffers(pg: dist.ProcessGroup, nbytes: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input, output) float32 buffers of an all-gather over ``pg`` whose output holds about ``nbytes``."""
+    x = torch.zeros(max(nbytes // (4 * dist.get_world_size(pg)), 1), device=device)
+    return x, torch.empty(x.numel() * dist.get_world_size(pg), device=device)
+
+
 def _time_all_gather(pg: dist.ProcessGroup, nbytes: int, repeats: int, device: torch.device) -> float:
-    k = dist.get_world_size(pg)
-    x = torch.zeros(max(nbytes // (4 * k), 1), device=device)
-    out = torch.empty(x.numel() * k, device=device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    x, out = _gather_buffers(pg, nbytes, device)
+    sync = _sync(device)
     for _ in range(2):  # warm-up: connections, allocations, first touch of the buffers
         dist.all_gather_into_tensor(out, x, group=pg)
     times = []
@@ -108,7 +117,7 @@ def _mlp_step(device: torch.device) -> tuple[Any, float]:
 
     Two matrix products with an activation between them, on 256 tokens of width 512 (4096 x 4096 on CUDA).
     """
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = _sync(device)
     tokens, width = (4096, 4096) if device.type == "cuda" else (256, 512)
     layer = torch.nn.Sequential(
         torch.nn.Linear(width, 2 * width), torch.nn.GELU(), torch.nn.Linear(2 * width, width)
@@ -130,7 +139,7 @@ def measure_throughputs(
     Ranks that share a machine share its cores or its GPU while they train, so every rank of ``group`` runs the
     probe at the same time and the mean of the runs counts, not the best one.
     """
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = _sync(device)
     layer_step, flops = _mlp_step(device)
     flops_per_s = flops / _mean_seconds(layer_step, repeats, group)
     p = torch.nn.Parameter(torch.zeros(1 << 20, device=device))
@@ -161,14 +170,11 @@ def measure_overlap(
     (ranks whose collectives run on the CPU cores their compute needs). The median of ``trials``; every loop
     starts after a barrier on ``align`` (default ``group``), so that ranks sharing a machine run the same loop.
     """
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = _sync(device)
     layer_step, _ = _mlp_step(device)
-    k = dist.get_world_size(group)
-    x = torch.zeros(max(nbytes // (4 * k), 1), device=device)
-    out = torch.empty(x.numel() * k, device=device)
+    x, out = _gather_buffers(group, nbytes, device)
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    count = {"gathers": 1}  # gathers per loop: as many as take about as long as the compute loop
+    gathers_per_loop = 1  # then as many as take about as long as the compute loop
 
     def computes() -> None:
         for _ in range(repeats):
@@ -176,7 +182,7 @@ def measure_overlap(
 
     def gathers() -> None:
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for _ in range(count["gathers"]):
+            for _ in range(gathers_per_loop):
                 dist.all_gather_into_tensor(out, x, group=group)
             sync()
 
@@ -195,7 +201,7 @@ def measure_overlap(
     one_gather, compute = timed(gathers), timed(computes)  # also the warm-up
     n = torch.tensor([min(max(round(compute / max(one_gather, 1e-9)), 1), 256)], device=device)
     dist.all_reduce(n, op=dist.ReduceOp.MAX, group=align or group)  # the same number of collectives everywhere
-    count["gathers"] = int(n.item())
+    gathers_per_loop = int(n.item())
     fractions = []
     for _ in range(trials):
         alone_compute, alone_gathers, together = timed(computes), timed(gathers), timed(both)

@@ -419,7 +419,8 @@ class ParoShardedModule(nn.Module):
         pending = self._gathered.pop(unit, None)
         if prefetch and self._pass_next < len(self._pass):
             before = len(self._gathered)
-            self._submit_through(i + (self._gather_ahead or len(self._pass)))
+            ahead = len(self._pass) if self._gather_ahead is None else self._gather_ahead
+            self._submit_through(i + ahead)
             self.prefetches += len(self._gathered) - before
         if pending is not None:
             pending.result()

@@ -3,8 +3,8 @@
 //! Each micro-step runs the units' forwards in order, then their backwards in reverse, on the compute stream. A
 //! unit's parameters are gathered before its forward and again before its backward; the engine prefetches the
 //! next unit's gather while the current one computes, with at most two units unsharded (the gather of unit u+1
-//! waits for the compute of unit u−1; [`IssuePolicy`], which the engine follows too). After a unit's backward its gradients are reduced (g ≠ N); at the last
-//! micro-step t_syncg follows. The optimizer step waits for every reduction. t_syncp of a unit runs right
+//! waits for the compute of unit u−1; [`IssuePolicy`], which the engine follows too). After a unit's backward
+//! its gradients are reduced (g ≠ N); at the last micro-step t_syncg follows. The optimizer step waits for every reduction. t_syncp of a unit runs right
 //! before its first gather of the next step, after the optimizer step, so it hides only behind the forward of
 //! earlier units. Collectives queue on their level's links in issue order (an intra-group and an inter-group
 //! call run at once; a global call holds both); compute waits only for what it needs.
@@ -96,9 +96,6 @@ impl Sim {
             }
         }
         let end = start + seconds;
-        if level.is_some() {
-            self.communication_s += seconds;
-        }
         for &r in slots {
             self.free[r] = end;
         }
@@ -130,7 +127,9 @@ impl Context<'_> {
                     Level::Inter => &[2],
                     Level::Global => &[1, 2],
                 };
-                last = Some(sim.run(slots, self.call_seconds(c), &[last, memory], Some(c.level)));
+                let seconds = self.call_seconds(c);
+                last = Some(sim.run(slots, seconds, &[last, memory], Some(c.level)));
+                sim.communication_s += seconds;
                 let (intra, inter) = self.level_seconds(&c.traffic);
                 let cluster = &self.req.cluster;
                 sim.interference_s += (1.0 - cluster.intra_overlap.unwrap_or(1.0)) * intra
