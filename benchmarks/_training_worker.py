@@ -162,30 +162,20 @@ class System:
     # --- wrapping
     def _wrap_paro(self, model: nn.Module, option: str) -> nn.Module:
         from paro_torch import ParoShardedModule
-        from paro_torch.auto import LinkCalibration, choose_strategy, default_memory_budget, measure_links
 
-        unit = decoder_layer_class()
         tokens = self.cfg["micro_batch"] * self.cfg["model"]["seq"]  # per rank and micro-step: the cost model's compute
-        wrapped = ParoShardedModule(
-            model, option, wrap_policy={unit}, grad_accum=self.accum, tokens_per_micro_step=tokens
-        )
+        batch = torch.randint(0, self.cfg["model"]["vocab"], (self.cfg["micro_batch"], self.cfg["model"]["seq"]),
+                              generator=torch.Generator().manual_seed(self.cfg["data_seed"] + 1))  # fmt: skip
+        # example_inputs: the cost model's plan (every strategy's, for auto; this one's otherwise) with the compute
+        # throughput of this model's own forward and backward, timed on every rank before sharding
+        wrapped = ParoShardedModule(model, option, wrap_policy={decoder_layer_class()}, grad_accum=self.accum,
+                                    tokens_per_micro_step=tokens,
+                                    example_inputs={"input_ids": batch, "labels": batch})  # fmt: skip
         self.optimizer = torch.optim.AdamW(wrapped.parameters(), lr=self.lr)
-        # The cost model's view of every strategy with the calibrated link figures (what `auto` weighs). For an
-        # explicit strategy ParoShardedModule makes no plan, so ask the cost model the same question here.
-        path = os.environ.get("PARO_CALIBRATION")
-        links = LinkCalibration.load(path) if path else measure_links(wrapped.groups)
-        _, report = choose_strategy(
-            wrapped.cost_blocks,
-            wrapped.groups,
-            links=links,
-            memory_budget=default_memory_budget(wrapped.groups.group_size),
-            grad_accum=self.accum,
-            sizes=wrapped.precision.bytes(),
-            tokens_per_micro_step=tokens,
-        )
-        mine = next(s for s in report["strategies"] if s["code"] == wrapped.strategy.code)
+        assert wrapped.plan is not None and wrapped.links is not None
+        mine = next(s for s in wrapped.plan["strategies"] if s["code"] == wrapped.strategy.code)
         self.extra["strategy"] = wrapped.strategy.code
-        self.extra["links"] = _asdict(links)
+        self.extra["links"] = _asdict(wrapped.links)
         self.extra["predicted"] = {
             "time_s": mine["time_s"],
             "step": mine["step"],
@@ -195,11 +185,10 @@ class System:
             "memory": mine["memory"],
             "collectives": mine["collectives"],
         }
-        if wrapped.plan is not None:  # auto: what it weighed
+        if option == "auto":  # what it weighed
             self.extra["auto_choice"] = wrapped.plan["choice"]["code"] if wrapped.plan.get("choice") else None
             self.extra["auto_reason"] = wrapped.plan.get("reason")
             self.extra["plan"] = wrapped.plan
-            self.extra["plan_matches_recomputed"] = wrapped.plan == report
         return wrapped
 
     def _wrap_ddp(self, model: nn.Module, option: str) -> nn.Module:

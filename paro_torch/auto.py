@@ -4,7 +4,9 @@ The probe times all-gathers of two sizes on the intra-group and the inter-group 
 milliseconds on CPU): the small one gives the latency per ring step, the difference gives the bandwidth. It also
 times an MLP block's forward and backward (the rank's compute throughput) and an AdamW step (the optimizer's), on
 all ranks at once, as they run in training, and how much compute slows while each level's collectives run beside
-it. Rank 0 decides; every rank uses its decision.
+it. Given the model and an example batch (``ParoShardedModule(example_inputs=...)``), the compute throughput
+is the model's own instead: its forward and backward timed on every rank at once, the cost model's FLOPs for them
+over the seconds. Rank 0 decides; every rank uses its decision.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_flatten
 
 from paro_torch import _C
 from paro_torch._groups import ParoGroups, build_groups
@@ -39,7 +42,9 @@ class LinkCalibration:
     intra_latency: float
     inter_latency: float
     compute_flops: float | None = None
-    """Matrix-product throughput of one rank, FLOP/s (None: not measured)."""
+    """Training throughput of one rank, FLOP/s as the cost model counts FLOPs (None: not measured)."""
+    compute_probe: str | None = None
+    """What ``compute_flops`` timed: "mlp block" (the stand-in) or "model" (the model's own forward and backward)."""
     optimizer_params_per_s: float | None = None
     """Parameters an AdamW step updates per second on one rank (None: not measured)."""
     intra_overlap: float | None = None
@@ -242,6 +247,7 @@ def measure_links(
         intra_latency=float(t[0]),
         inter_latency=float(t[1]),
         compute_flops=float(-t[4]),
+        compute_probe="mlp block",
         optimizer_params_per_s=float(-t[5]),
         intra_overlap=float(overlap[0]),
         inter_overlap=float(overlap[1]),
@@ -259,6 +265,103 @@ def calibrate(
     if path is not None and dist.get_rank() == 0:
         links.save(path)
     return links
+
+
+def _loss(output: Any) -> torch.Tensor:
+    """A scalar to run backward from: the output's ``loss`` (Hugging Face), else the sum of its first float tensor."""
+    loss = getattr(output, "loss", None)
+    if torch.is_tensor(loss):
+        return loss
+    for t in tree_flatten(output)[0]:
+        if torch.is_tensor(t) and t.is_floating_point() and t.requires_grad:
+            return t.float().sum()
+    raise ValueError("example_inputs: the model's output has no loss and no float tensor that needs a gradient")
+
+
+def measure_model_compute(
+    module: torch.nn.Module,
+    example_inputs: Any,
+    flops: float,
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
+    repeats: int = 3,
+) -> float:
+    """FLOP/s of ``module``'s forward and backward on ``example_inputs``: ``flops`` over the mean seconds.
+
+    ``example_inputs`` is one micro-batch: a dict of keyword arguments, a tuple of positional ones or a tensor.
+    ``flops`` is what the cost model counts for it (``model_flops``), so that the figure calibrates the model's
+    count, whatever the model spends beside matrix products (norms, attention, the loss, Python). Every rank of
+    ``group`` runs at once, as in training; all get the slowest rank's figure. Random state and the parameters'
+    gradients and buffers are as before.
+    """
+    if isinstance(example_inputs, dict):
+        args, kwargs = (), example_inputs
+    else:
+        args, kwargs = (example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)), {}
+    sync = _sync(device)
+    params = [p for p in module.parameters() if p.requires_grad]
+    grads = [p.grad for p in params]
+    buffers = [(b, b.clone()) for b in module.buffers()]  # e.g. BatchNorm statistics that a forward updates
+
+    def step() -> None:
+        _loss(module(*args, **kwargs)).backward()
+        sync()
+
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        seconds = torch.tensor([_mean_seconds(step, repeats, group)], dtype=torch.float64, device=device)
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    with torch.no_grad():
+        for b, saved in buffers:
+            b.copy_(saved)
+    if group is not None:
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
+    return flops / float(seconds.item())
+
+
+def _request(
+    blocks: list[dict[str, Any]],
+    groups: ParoGroups,
+    links: LinkCalibration,
+    memory_budget: int,
+    training: dict[str, Any],
+    tokens_per_micro_step: int | None,
+) -> dict[str, Any]:
+    """The cost model's request (see ``paro plan --help`` and the Rust ``cost::request``)."""
+    cluster: dict[str, Any] = {
+        "world": groups.world,
+        "group_size": groups.group_size,
+        "intra_bandwidth": links.intra_bandwidth,
+        "inter_bandwidth": links.inter_bandwidth,
+        "intra_latency": links.intra_latency,
+        "inter_latency": links.inter_latency,
+        "memory_bytes": memory_budget,
+    }
+    for name in ("optimizer_params_per_s", "intra_overlap", "inter_overlap"):
+        if getattr(links, name) is not None:
+            cluster[name] = getattr(links, name)
+    training = dict(training)
+    if tokens_per_micro_step is not None and links.compute_flops is not None:
+        cluster["compute_flops"] = links.compute_flops
+        training.update(micro_batch=1, seq_len=tokens_per_micro_step)
+    return {
+        "model": {"blocks": blocks},
+        "cluster": cluster,
+        "training": training,
+        "collectives": "hierarchical",
+    }
+
+
+def model_flops(
+    blocks: list[dict[str, Any]], groups: ParoGroups, tokens: int, activation_checkpointing: bool = False
+) -> float:
+    """The FLOPs the cost model counts for one forward and backward of the model (its ``blocks``) on ``tokens``."""
+    unit_rate = LinkCalibration(1.0, 1.0, 0.0, 0.0, compute_flops=1.0)  # 1 FLOP/s: seconds are FLOPs
+    training = {"grad_accum": 1, "activation_checkpointing": activation_checkpointing}
+    request = _request(blocks, groups, unit_rate, 1 << 62, training, tokens)
+    request["strategies"] = ["NNN"]
+    report = json.loads(_C.estimate(json.dumps(request)))
+    return float(report["strategies"][0]["step"]["compute_s"])
 
 
 def default_memory_budget(group_size: int) -> int:
@@ -290,28 +393,8 @@ def choose_strategy(
     Raises:
         ValueError: nothing (or ``only``) fits the memory budget, raised on every rank, with what it needs.
     """
-    request = {
-        "model": {"blocks": blocks},
-        "cluster": {
-            "world": groups.world,
-            "group_size": groups.group_size,
-            "intra_bandwidth": links.intra_bandwidth,
-            "inter_bandwidth": links.inter_bandwidth,
-            "intra_latency": links.intra_latency,
-            "inter_latency": links.inter_latency,
-            "memory_bytes": memory_budget,
-        },
-        "training": {"grad_accum": grad_accum, "activation_checkpointing": activation_checkpointing, **sizes},
-        "collectives": "hierarchical",
-    }
-    if links.optimizer_params_per_s is not None:
-        request["cluster"]["optimizer_params_per_s"] = links.optimizer_params_per_s
-    for name in ("intra_overlap", "inter_overlap"):
-        if getattr(links, name) is not None:
-            request["cluster"][name] = getattr(links, name)
-    if tokens_per_micro_step is not None and links.compute_flops is not None:
-        request["cluster"]["compute_flops"] = links.compute_flops
-        request["training"].update(micro_batch=1, seq_len=tokens_per_micro_step)
+    training = {"grad_accum": grad_accum, "activation_checkpointing": activation_checkpointing, **sizes}
+    request = _request(blocks, groups, links, memory_budget, training, tokens_per_micro_step)
     if only is not None:
         request["strategies"] = [only]
     report = json.loads(_C.estimate(json.dumps(request)))

@@ -12,6 +12,7 @@ forward brings each unit's update back to p's layout (t_syncp) just ahead of the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import hashlib
 import logging
@@ -38,7 +39,14 @@ from paro_torch._groups import ParoGroups, build_groups, twin_groups
 from paro_torch._lanes import Handle, make_lane
 from paro_torch._report import format_report
 from paro_torch.api import Precision
-from paro_torch.auto import LinkCalibration, choose_strategy, default_memory_budget, measure_links
+from paro_torch.auto import (
+    LinkCalibration,
+    choose_strategy,
+    default_memory_budget,
+    measure_links,
+    measure_model_compute,
+    model_flops,
+)
 
 logger = logging.getLogger("paro_torch")
 
@@ -178,6 +186,11 @@ class ParoShardedModule(nn.Module):
             default: the model says so (Hugging Face's ``is_gradient_checkpointing``, or ``checkpoint_wrapper``).
         calibration: Link and throughput figures for auto (a LinkCalibration or a JSON path; also
             PARO_CALIBRATION).
+        example_inputs: One micro-batch (a dict of keyword arguments, a tuple or a tensor) on ``device``, with
+            ``tokens_per_micro_step``: the cost model's plan (auto's, or ``plan`` for an explicit strategy) times
+            the model's own forward and backward on it, on every rank at once before sharding, for the compute
+            throughput (instead of the probe's MLP block, or the calibration's figure). The model must be
+            materialised on ``device`` and fit one unsharded step.
         sync_module_states: Broadcast rank 0's parameters and buffers (as DDP does; unit by unit), so that ranks
             that built the model with different seeds train one model.
         broadcast_buffers: Before each training forward, make the buffers (e.g. BatchNorm statistics) rank 0's,
@@ -207,6 +220,7 @@ class ParoShardedModule(nn.Module):
         tokens_per_micro_step: int | None = None,
         activation_checkpointing: bool | None = None,
         calibration: LinkCalibration | str | None = None,
+        example_inputs: Any = None,
         sync_module_states: bool = True,
         broadcast_buffers: bool = True,
         device: torch.device | str | None = None,
@@ -217,7 +231,14 @@ class ParoShardedModule(nn.Module):
         param_dtype = self.precision.param
         m = _requested_group_size(group_size, process_groups, device_mesh)
         auto = strategy.strip().lower() == "auto"
-        parsed = _validate_everywhere(module, strategy, m, param_dtype)
+        parsed = _validate_everywhere(
+            module,
+            strategy,
+            m,
+            param_dtype,
+            example_inputs is not None,
+            _probe_problem(module, example_inputs, tokens_per_micro_step, device),
+        )
         self.groups: ParoGroups = build_groups(m, process_groups, device_mesh)
         self.param_dtype = param_dtype
         # [Note: a transparent wrapper] The wrapper shares the module's children, parameters and buffers (their
@@ -235,16 +256,25 @@ class ParoShardedModule(nn.Module):
         """The units as the cost model sees them (sizes and padded sizes per granularity)."""
         self.plan: dict[str, Any] | None = None
         """The cost model's report behind ``strategy="auto"`` (every strategy's memory, bytes, time)."""
-        if auto or memory_budget is not None:
+        self.links: LinkCalibration | None = None
+        """The link and throughput figures the plan used."""
+        if auto or memory_budget is not None or example_inputs is not None:
             budget = memory_budget if memory_budget is not None else default_memory_budget(self.groups.group_size)
-            # an explicit strategy is only checked against the budget: links are measured for auto alone, and
-            # the plan's times mean something only when link figures are given
-            given = calibration is not None or os.environ.get("PARO_CALIBRATION")
+            # an explicit strategy is only checked against the budget: links are measured for auto (or a model
+            # probe) alone, and the plan's times mean something only when link figures are given
+            given = calibration is not None or os.environ.get("PARO_CALIBRATION") or example_inputs is not None
             links = (
                 _links(calibration, self.groups, self.device)
                 if auto or given
                 else LinkCalibration(1e10, 1e9, 1e-5, 1e-5)
             )
+            checkpointing = _checkpointed(module) if activation_checkpointing is None else activation_checkpointing
+            if example_inputs is not None:
+                assert tokens_per_micro_step is not None  # checked by _probe_problem
+                flops = model_flops(self.cost_blocks, self.groups, tokens_per_micro_step, checkpointing)
+                rate = measure_model_compute(module, example_inputs, flops, self.device, self.groups.whole)
+                links = dataclasses.replace(links, compute_flops=rate, compute_probe="model")
+            self.links = links
             code, self.plan = choose_strategy(
                 self.cost_blocks,
                 self.groups,
@@ -253,9 +283,7 @@ class ParoShardedModule(nn.Module):
                 grad_accum=grad_accum,
                 sizes=self.precision.bytes(),
                 tokens_per_micro_step=tokens_per_micro_step,
-                activation_checkpointing=_checkpointed(module)
-                if activation_checkpointing is None
-                else activation_checkpointing,
+                activation_checkpointing=checkpointing,
                 only=None if auto else parsed.code if parsed else None,
             )
             if auto and self.groups.rank == 0:
@@ -933,7 +961,28 @@ def _requested_group_size(
     return group_size if group_size is not None else resolve_group_size(dist.get_world_size())
 
 
-def _validate_everywhere(module: nn.Module, strategy: str, group_size: int, dtype: torch.dtype) -> _C.Strategy | None:
+def _probe_problem(module: nn.Module, example_inputs: Any, tokens: int | None, device: Any) -> str | None:
+    """Why ``example_inputs`` cannot be timed on this rank (None: they can, or none were given)."""
+    if example_inputs is None:
+        return None
+    if tokens is None:
+        return "example_inputs needs tokens_per_micro_step (the tokens in that batch) to count its FLOPs"
+    want = torch.device(device) if device is not None else torch.device("cpu")
+    where = {p.device for p in module.parameters()}
+    if any(d.type != want.type for d in where):
+        return (f"example_inputs: the model's parameters are on {sorted(map(str, where))}, not on {want}; "
+                "build or move the model there, or leave example_inputs out")  # fmt: skip
+    return None
+
+
+def _validate_everywhere(
+    module: nn.Module,
+    strategy: str,
+    group_size: int,
+    dtype: torch.dtype,
+    model_probe: bool = False,
+    probe_problem: str | None = None,
+) -> _C.Strategy | None:
     """Checks the configuration on every rank and compares it across ranks before any other collective.
 
     Every rank takes part in one exchange even when its own input is bad, so a bad rank never leaves the
@@ -943,6 +992,8 @@ def _validate_everywhere(module: nn.Module, strategy: str, group_size: int, dtyp
     error: Exception | None = None
     parsed = None
     try:
+        if probe_problem is not None:
+            raise ValueError(probe_problem)
         if strategy.strip().lower() != "auto":
             parsed = _C.Strategy(strategy)
         _C.check_topology(world, group_size)
@@ -957,6 +1008,7 @@ def _validate_everywhere(module: nn.Module, strategy: str, group_size: int, dtyp
         f"strategy={parsed.code if parsed else strategy.strip().lower()}",
         f"group_size={group_size}",
         f"dtype={dtype}",
+        f"example_inputs={'given' if model_probe else 'none'}",
     ]
     desc += [f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for n, p in module.named_parameters()]
     digest = hashlib.sha256("\n".join(desc).encode()).digest()
@@ -965,8 +1017,8 @@ def _validate_everywhere(module: nn.Module, strategy: str, group_size: int, dtyp
     if differ:
         raise ValueError(
             f"ranks disagree on the configuration: ranks {differ} differ from rank 0 in strategy, group size, "
-            f"dtype or model structure (this rank: {', '.join(desc[:3])}); build the same model with the same "
-            "arguments on every rank"
+            f"dtype, example_inputs or model structure (this rank: {', '.join(desc[:4])}); build the same model "
+            "with the same arguments on every rank"
         )
     return parsed
 

@@ -12,7 +12,7 @@ from engine import Block, make
 import paro_torch
 from paro_torch import ParoShardedModule
 from paro_torch._groups import build_groups
-from paro_torch.auto import LinkCalibration, measure_links
+from paro_torch.auto import LinkCalibration, measure_links, model_flops
 
 
 def agree(code: str) -> None:
@@ -77,6 +77,34 @@ def main() -> None:
         assert with_compute["step"]["compute_s"] > 0 and without["step"]["compute_s"] == 0, with_compute
         assert with_compute["step"]["optimizer_s"] > 0 and with_compute["step"]["step_s"] > without["step"]["step_s"]
     assert not any("compute_flops" in note for note in timed.plan["notes"]), timed.plan["notes"]
+
+    # the model's own forward and backward as the compute probe (example_inputs): its throughput is the cost
+    # model's FLOPs for them (6 per parameter and token here: every parameter trains, no checkpointing) over the
+    # time; the probe leaves parameters, gradients, buffers (BatchNorm's statistics) and random state as they were
+    torch.manual_seed(1)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 8))
+    x = torch.randn(32, 8)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    rng = torch.get_rng_state()
+    probed = ParoShardedModule(net, "auto", process_groups=pgs, wrap_policy={torch.nn.Linear}, memory_budget=budget,
+                               calibration=saved, tokens_per_micro_step=32, example_inputs=x)  # fmt: skip
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert probed.links is not None and probed.links.compute_probe == "model", probed.links
+    assert probed.links.compute_flops and probed.links.compute_flops != saved.compute_flops, probed.links
+    assert model_flops(probed.cost_blocks, groups, 32) == 6 * sum(p.numel() for p in net.parameters()) * 32
+    after = probed.full_state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items()), "the probe changed the model's state"
+    assert all(p.grad is None for p in probed.parameters())
+    rates = [0.0] * dist.get_world_size()
+    dist.all_gather_object(rates, probed.links.compute_flops)
+    assert len(set(rates)) == 1, rates  # every rank plans with the slowest rank's figure
+    try:  # the batch's tokens are needed to count its FLOPs: an error on every rank
+        ParoShardedModule(make("plain"), "auto", process_groups=pgs, wrap_policy={Block}, calibration=saved,
+                          example_inputs=torch.zeros(2, 6, dtype=torch.long))  # fmt: skip
+    except ValueError as e:
+        assert "example_inputs needs tokens_per_micro_step" in str(e), e
+    else:
+        raise AssertionError("example_inputs without tokens_per_micro_step was accepted")
 
     # a root without parameters of its own (every parameter in a wrapped block)
     blocks = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
