@@ -44,7 +44,7 @@ class LinkCalibration:
     compute_flops: float | None = None
     """Training throughput of one rank, FLOP/s as the cost model counts FLOPs (None: not measured)."""
     compute_probe: str | None = None
-    """What ``compute_flops`` timed: "mlp block" (the stand-in) or "model" (the model's own forward and backward)."""
+    """What the throughputs timed: "mlp block" (the stand-ins) or "model" (the model's own step, its shapes)."""
     optimizer_params_per_s: float | None = None
     """Parameters an AdamW step updates per second on one rank (None: not measured)."""
     intra_overlap: float | None = None
@@ -136,6 +136,21 @@ def _mlp_step(device: torch.device) -> tuple[Any, float]:
     return layer_step, 6 * (4 * width * width) * tokens  # 2 FLOPs per weight and token forward, 4 backward
 
 
+def _optimizer_step(shapes: list[tuple[int, ...]], device: torch.device) -> tuple[Any, int]:
+    """(an AdamW step over zero tensors of ``shapes``, their element count)."""
+    sync = _sync(device)
+    params = [torch.nn.Parameter(torch.zeros(shape, device=device)) for shape in shapes]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = torch.optim.AdamW(params)
+
+    def step() -> None:
+        opt.step()
+        sync()
+
+    return step, sum(p.numel() for p in params)
+
+
 def measure_throughputs(
     device: torch.device, repeats: int = 3, group: dist.ProcessGroup | None = None
 ) -> tuple[float, float]:
@@ -144,18 +159,10 @@ def measure_throughputs(
     Ranks that share a machine share its cores or its GPU while they train, so every rank of ``group`` runs the
     probe at the same time and the mean of the runs counts, not the best one.
     """
-    sync = _sync(device)
     layer_step, flops = _mlp_step(device)
     flops_per_s = flops / _mean_seconds(layer_step, repeats, group)
-    p = torch.nn.Parameter(torch.zeros(1 << 20, device=device))
-    p.grad = torch.zeros_like(p)
-    opt = torch.optim.AdamW([p])
-
-    def step() -> None:
-        opt.step()
-        sync()
-
-    return flops_per_s, (1 << 20) / _mean_seconds(step, repeats, group)
+    opt_step, params = _optimizer_step([(1 << 20,)], device)
+    return flops_per_s, params / _mean_seconds(opt_step, repeats, group)
 
 
 def measure_overlap(
@@ -278,21 +285,23 @@ def _loss(output: Any) -> torch.Tensor:
     raise ValueError("example_inputs: the model's output has no loss and no float tensor that needs a gradient")
 
 
-def measure_model_compute(
+def measure_model(
     module: torch.nn.Module,
     example_inputs: Any,
     flops: float,
     device: torch.device,
     group: dist.ProcessGroup | None = None,
     repeats: int = 3,
-) -> float:
-    """FLOP/s of ``module``'s forward and backward on ``example_inputs``: ``flops`` over the mean seconds.
+) -> tuple[float, float | None]:
+    """(FLOP/s of ``module``'s forward and backward on ``example_inputs``, parameters/s of AdamW on its shapes).
 
     ``example_inputs`` is one micro-batch: a dict of keyword arguments, a tuple of positional ones or a tensor.
     ``flops`` is what the cost model counts for it (``model_flops``), so that the figure calibrates the model's
-    count, whatever the model spends beside matrix products (norms, attention, the loss, Python). Every rank of
-    ``group`` runs at once, as in training; all get the slowest rank's figure. Random state and the parameters'
-    gradients and buffers are as before.
+    count, whatever the model spends beside matrix products (norms, attention, the loss, Python). The optimizer
+    steps over zero tensors shaped as the model's trainable parameters (the first ones, up to 2^22 elements):
+    how fast AdamW runs depends on the tensors' sizes as well as their total (None: nothing trains). Every rank of
+    ``group`` runs at once, as in training; all get the slowest rank's figures. Random state and the parameters'
+    values, gradients and buffers are as before.
     """
     if isinstance(example_inputs, dict):
         args, kwargs = (), example_inputs
@@ -308,15 +317,25 @@ def measure_model_compute(
         sync()
 
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        seconds = torch.tensor([_mean_seconds(step, repeats, group)], dtype=torch.float64, device=device)
+        seconds = [_mean_seconds(step, repeats, group)]
     for p, g in zip(params, grads, strict=True):
         p.grad = g
     with torch.no_grad():
         for b, saved in buffers:
             b.copy_(saved)
+    shapes, total = [], 0
+    for p in params:
+        if total >= 1 << 22:
+            break
+        shapes.append(tuple(p.shape))
+        total += p.numel()
+    if shapes:
+        opt_step, numel = _optimizer_step(shapes, device)
+        seconds.append(_mean_seconds(opt_step, repeats, group) / numel)  # per parameter
+    t = torch.tensor(seconds, dtype=torch.float64, device=device)
     if group is not None:
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
-    return flops / float(seconds.item())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return flops / float(t[0]), (1 / float(t[1]) if shapes else None)
 
 
 def _request(

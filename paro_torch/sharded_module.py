@@ -44,7 +44,7 @@ from paro_torch.auto import (
     choose_strategy,
     default_memory_budget,
     measure_links,
-    measure_model_compute,
+    measure_model,
     model_flops,
 )
 
@@ -188,9 +188,10 @@ class ParoShardedModule(nn.Module):
             PARO_CALIBRATION).
         example_inputs: One micro-batch (a dict of keyword arguments, a tuple or a tensor) on ``device``, with
             ``tokens_per_micro_step``: the cost model's plan (auto's, or ``plan`` for an explicit strategy) times
-            the model's own forward and backward on it, on every rank at once before sharding, for the compute
-            throughput (instead of the probe's MLP block, or the calibration's figure). The model must be
-            materialised on ``device`` and fit one unsharded step.
+            the model's own forward and backward on it, and AdamW on its parameters' shapes, on every rank at once
+            before sharding, for the compute and optimizer throughputs (instead of the probe's MLP block and
+            flat tensor, or the calibration's figures). The model must be materialised on ``device`` and fit one
+            unsharded step.
         sync_module_states: Broadcast rank 0's parameters and buffers (as DDP does; unit by unit), so that ranks
             that built the model with different seeds train one model.
         broadcast_buffers: Before each training forward, make the buffers (e.g. BatchNorm statistics) rank 0's,
@@ -271,9 +272,12 @@ class ParoShardedModule(nn.Module):
             checkpointing = _checkpointed(module) if activation_checkpointing is None else activation_checkpointing
             if example_inputs is not None:
                 assert tokens_per_micro_step is not None  # checked by _probe_problem
-                flops = model_flops(self.cost_blocks, self.groups, tokens_per_micro_step, checkpointing)
-                rate = measure_model_compute(module, example_inputs, flops, self.device, self.groups.whole)
+                # counted as the probe runs: a Trainer turns checkpointing on after wrapping
+                flops = model_flops(self.cost_blocks, self.groups, tokens_per_micro_step, _checkpointed(module))
+                rate, params_per_s = measure_model(module, example_inputs, flops, self.device, self.groups.whole)
                 links = dataclasses.replace(links, compute_flops=rate, compute_probe="model")
+                if params_per_s is not None:
+                    links = dataclasses.replace(links, optimizer_params_per_s=params_per_s)
             self.links = links
             code, self.plan = choose_strategy(
                 self.cost_blocks,

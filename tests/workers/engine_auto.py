@@ -80,7 +80,7 @@ def main() -> None:
 
     # the model's own forward and backward as the compute probe (example_inputs): its throughput is the cost
     # model's FLOPs for them (6 per parameter and token here: every parameter trains, no checkpointing) over the
-    # time; the probe leaves parameters, gradients, buffers (BatchNorm's statistics) and random state as they were
+    # time, and the optimizer's is AdamW's on its parameters' shapes; the probe leaves parameters, gradients, buffers (BatchNorm's statistics) and random state as they were
     torch.manual_seed(1)
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 8))
     x = torch.randn(32, 8)
@@ -91,6 +91,7 @@ def main() -> None:
     assert torch.equal(torch.get_rng_state(), rng)
     assert probed.links is not None and probed.links.compute_probe == "model", probed.links
     assert probed.links.compute_flops and probed.links.compute_flops != saved.compute_flops, probed.links
+    assert probed.links.optimizer_params_per_s != saved.optimizer_params_per_s, probed.links  # AdamW on its shapes
     assert model_flops(probed.cost_blocks, groups, 32) == 6 * sum(p.numel() for p in net.parameters()) * 32
     after = probed.full_state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items()), "the probe changed the model's state"
