@@ -4,14 +4,16 @@ The probe times all-gathers of two sizes on the intra-group and the inter-group 
 milliseconds on CPU): the small one gives the latency per ring step, the difference gives the bandwidth. It also
 times an MLP block's forward and backward (the rank's compute throughput) and an AdamW step (the optimizer's), on
 all ranks at once, as they run in training, and how much compute slows while each level's collectives run beside
-it. Given the model and an example batch (``ParoShardedModule(example_inputs=...)``), the compute throughput
-is the model's own instead: its forward and backward timed on every rank at once, the cost model's FLOPs for them
-over the seconds. Rank 0 decides; every rank uses its decision.
+it. Given the model and an example batch (``ParoShardedModule(example_inputs=...)``), the throughputs and overlaps
+are the model's own instead (``probe_model``): its forward and backward timed on every rank at once (the cost
+model's FLOPs for them over the seconds), beside each level's gathers, and AdamW on its shapes. Rank 0 decides;
+every rank uses its decision.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -168,25 +170,27 @@ def measure_throughputs(
 def measure_overlap(
     device: torch.device,
     group: dist.ProcessGroup,
+    step: Any = None,
     nbytes: int = 4 << 20,
-    repeats: int = 1,
+    loop_s: float = 0.1,
     trials: int = 3,
     align: dist.ProcessGroup | None = None,
 ) -> float:
     """How well communication runs beside compute on this rank: the cost model's ``overlap``, from 0 to 1.
 
-    Times a loop of MLP steps alone, a loop of all-gathers over ``group`` that takes about as long, and both at once
-    (the gathers on a thread, as the engine issues them); the fraction of the shorter loop that disappears when
-    they run together.
+    Times a loop of compute steps (``step``, default an MLP block's forward and backward) alone (at least
+    ``loop_s``: shorter loops are mostly scheduling noise), a loop of
+    all-gathers over ``group`` that takes about as long, and both at once (the gathers on a thread, as the engine
+    issues them); the fraction of the shorter loop that disappears when they run together.
     1: collectives cost compute nothing (a GPU's copy engines and NICs); 0: they take their whole time from it
     (ranks whose collectives run on the CPU cores their compute needs). The median of ``trials``; every loop
     starts after a barrier on ``align`` (default ``group``), so that ranks sharing a machine run the same loop.
     """
     sync = _sync(device)
-    layer_step, _ = _mlp_step(device)
+    layer_step = step if step is not None else _mlp_step(device)[0]
     x, out = _gather_buffers(group, nbytes, device)
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-    gathers_per_loop = 1  # then as many as take about as long as the compute loop
+    repeats, gathers_per_loop = 1, 1  # then enough steps for loop_s, and gathers that take about as long
 
     def computes() -> None:
         for _ in range(repeats):
@@ -210,10 +214,11 @@ def measure_overlap(
         computes()
         thread.join()
 
-    one_gather, compute = timed(gathers), timed(computes)  # also the warm-up
-    n = torch.tensor([min(max(round(compute / max(one_gather, 1e-9)), 1), 256)], device=device)
-    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=align or group)  # the same number of collectives everywhere
-    gathers_per_loop = int(n.item())
+    one_gather, one_step = timed(gathers), timed(computes)  # also the warm-up
+    repeats = min(max(round(loop_s / max(one_step, 1e-9)), 1), 64)
+    n = torch.tensor([repeats, min(max(round(repeats * one_step / max(one_gather, 1e-9)), 1), 256)], device=device)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=align or group)  # the same loops everywhere
+    repeats, gathers_per_loop = int(n[0]), int(n[1])
     fractions = []
     for _ in range(trials):
         alone_compute, alone_gathers, together = timed(computes), timed(gathers), timed(both)
@@ -239,11 +244,7 @@ def measure_links(
     dist.barrier(group=groups.whole)
     inter_bw, inter_lat = _level(groups.inter, small, large, repeats, device)
     flops, params_per_s = measure_throughputs(device, repeats, groups.whole)
-    overlap = [measure_overlap(device, pg, align=groups.whole) if pg is not None else 1.0
-               for pg in (groups.intra, groups.inter)]  # fmt: skip
-    overlap = torch.tensor(overlap, dtype=torch.float64, device=device)
-    dist.all_reduce(overlap, group=groups.whole)  # the ranks' mean: a noisy figure, not a bound
-    overlap /= groups.world
+    overlap = _overlaps(groups, device)
     # agree on the pessimistic figures: max latency, min bandwidth and throughput over ranks
     t = [intra_lat, inter_lat, -intra_bw, -inter_bw, -flops, -params_per_s]
     t = torch.tensor(t, dtype=torch.float64, device=device)
@@ -256,9 +257,18 @@ def measure_links(
         compute_flops=float(-t[4]),
         compute_probe="mlp block",
         optimizer_params_per_s=float(-t[5]),
-        intra_overlap=float(overlap[0]),
-        inter_overlap=float(overlap[1]),
+        intra_overlap=overlap[0],
+        inter_overlap=overlap[1],
     )
+
+
+def _overlaps(groups: ParoGroups, device: torch.device, step: Any = None) -> tuple[float, float]:
+    """``measure_overlap`` of the intra and the inter level (1 for a level of one rank), the ranks' mean."""
+    overlap = [measure_overlap(device, pg, step, align=groups.whole) if pg is not None else 1.0
+               for pg in (groups.intra, groups.inter)]  # fmt: skip
+    t = torch.tensor(overlap, dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=groups.whole)  # the ranks' mean: a noisy figure, not a bound
+    return float(t[0]) / groups.world, float(t[1]) / groups.world
 
 
 def calibrate(
@@ -285,23 +295,25 @@ def _loss(output: Any) -> torch.Tensor:
     raise ValueError("example_inputs: the model's output has no loss and no float tensor that needs a gradient")
 
 
-def measure_model(
+def probe_model(
+    links: LinkCalibration,
+    groups: ParoGroups,
     module: torch.nn.Module,
     example_inputs: Any,
     flops: float,
     device: torch.device,
-    group: dist.ProcessGroup | None = None,
     repeats: int = 3,
-) -> tuple[float, float | None]:
-    """(FLOP/s of ``module``'s forward and backward on ``example_inputs``, parameters/s of AdamW on its shapes).
+) -> LinkCalibration:
+    """``links`` with the compute and optimizer throughputs and the overlaps measured on the model itself.
 
     ``example_inputs`` is one micro-batch: a dict of keyword arguments, a tuple of positional ones or a tensor.
-    ``flops`` is what the cost model counts for it (``model_flops``), so that the figure calibrates the model's
-    count, whatever the model spends beside matrix products (norms, attention, the loss, Python). The optimizer
-    steps over zero tensors shaped as the model's trainable parameters (the first ones, up to 2^22 elements):
-    how fast AdamW runs depends on the tensors' sizes as well as their total (None: nothing trains). Every rank of
-    ``group`` runs at once, as in training; all get the slowest rank's figures. Random state and the parameters'
-    values, gradients and buffers are as before.
+    Compute: ``flops`` (what the cost model counts for the batch, ``model_flops``) over the seconds of the model's
+    forward and backward, so that the figure calibrates the model's count, whatever the model spends beside
+    matrix products (norms, attention, the loss, Python). Overlap: ``measure_overlap`` with that step as the
+    compute. Optimizer: AdamW over zero tensors shaped as the model's trainable parameters (the first ones, up to
+    2^22 elements), since how fast it runs depends on the tensors' sizes as well as their total. Every rank runs
+    at once, as in training; all get the slowest rank's throughputs. Random state and the parameters' values,
+    gradients and buffers are as before.
     """
     if isinstance(example_inputs, dict):
         args, kwargs = (), example_inputs
@@ -317,7 +329,8 @@ def measure_model(
         sync()
 
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        seconds = [_mean_seconds(step, repeats, group)]
+        seconds = [_mean_seconds(step, repeats, groups.whole)]
+        overlap = _overlaps(groups, device, step)
     for p, g in zip(params, grads, strict=True):
         p.grad = g
     with torch.no_grad():
@@ -331,11 +344,17 @@ def measure_model(
         total += p.numel()
     if shapes:
         opt_step, numel = _optimizer_step(shapes, device)
-        seconds.append(_mean_seconds(opt_step, repeats, group) / numel)  # per parameter
+        seconds.append(_mean_seconds(opt_step, repeats, groups.whole) / numel)  # per parameter
     t = torch.tensor(seconds, dtype=torch.float64, device=device)
-    if group is not None:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return flops / float(t[0]), (1 / float(t[1]) if shapes else None)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups.whole)
+    return dataclasses.replace(
+        links,
+        compute_flops=flops / float(t[0]),
+        compute_probe="model",
+        optimizer_params_per_s=1 / float(t[1]) if shapes else links.optimizer_params_per_s,
+        intra_overlap=overlap[0],
+        inter_overlap=overlap[1],
+    )
 
 
 def _request(

@@ -12,7 +12,6 @@ forward brings each unit's update back to p's layout (t_syncp) just ahead of the
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import enum
 import hashlib
 import logging
@@ -44,8 +43,8 @@ from paro_torch.auto import (
     choose_strategy,
     default_memory_budget,
     measure_links,
-    measure_model,
     model_flops,
+    probe_model,
 )
 
 logger = logging.getLogger("paro_torch")
@@ -188,10 +187,10 @@ class ParoShardedModule(nn.Module):
             PARO_CALIBRATION).
         example_inputs: One micro-batch (a dict of keyword arguments, a tuple or a tensor) on ``device``, with
             ``tokens_per_micro_step``: the cost model's plan (auto's, or ``plan`` for an explicit strategy) times
-            the model's own forward and backward on it, and AdamW on its parameters' shapes, on every rank at once
-            before sharding, for the compute and optimizer throughputs (instead of the probe's MLP block and
-            flat tensor, or the calibration's figures). The model must be materialised on ``device`` and fit one
-            unsharded step.
+            the model's own forward and backward on it (alone and beside each level's gathers) and AdamW on its
+            parameters' shapes, on every rank at once before sharding, for the compute and optimizer throughputs and
+            the overlaps (instead of the probe's MLP block and flat tensor, or the calibration's figures). The model
+            must be materialised on ``device`` and fit one unsharded step.
         sync_module_states: Broadcast rank 0's parameters and buffers (as DDP does; unit by unit), so that ranks
             that built the model with different seeds train one model.
         broadcast_buffers: Before each training forward, make the buffers (e.g. BatchNorm statistics) rank 0's,
@@ -274,10 +273,7 @@ class ParoShardedModule(nn.Module):
                 assert tokens_per_micro_step is not None  # checked by _probe_problem
                 # counted as the probe runs: a Trainer turns checkpointing on after wrapping
                 flops = model_flops(self.cost_blocks, self.groups, tokens_per_micro_step, _checkpointed(module))
-                rate, params_per_s = measure_model(module, example_inputs, flops, self.device, self.groups.whole)
-                links = dataclasses.replace(links, compute_flops=rate, compute_probe="model")
-                if params_per_s is not None:
-                    links = dataclasses.replace(links, optimizer_params_per_s=params_per_s)
+                links = probe_model(links, self.groups, module, example_inputs, flops, self.device)
             self.links = links
             code, self.plan = choose_strategy(
                 self.cost_blocks,

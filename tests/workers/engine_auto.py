@@ -33,8 +33,8 @@ def main() -> None:
     links = measure_links(groups)
     probe = time.perf_counter() - start
     # links, MLP and AdamW steps (the first one in a process loads the optimizer's code: ~1 s) and the overlap
-    # of each level's gathers with compute: a few seconds for 4 ranks on 2 cores
-    assert probe < 8.0, f"the probe took {probe:.2f}s"
+    # of each level's gathers with compute (3 trials of three 0.1 s loops): a few seconds for 4 ranks on 2 cores
+    assert probe < 12.0, f"the probe took {probe:.2f}s"
     assert links.intra_bandwidth > 0 and links.inter_bandwidth > 0, links
     assert links.compute_flops and links.compute_flops > 1e8 and links.optimizer_params_per_s, links
 
@@ -80,7 +80,8 @@ def main() -> None:
 
     # the model's own forward and backward as the compute probe (example_inputs): its throughput is the cost
     # model's FLOPs for them (6 per parameter and token here: every parameter trains, no checkpointing) over the
-    # time, and the optimizer's is AdamW's on its parameters' shapes; the probe leaves parameters, gradients, buffers (BatchNorm's statistics) and random state as they were
+    # time, and the optimizer's is AdamW's on its parameters' shapes; the probe leaves parameters, gradients,
+    # buffers (BatchNorm's statistics) and random state as they were
     torch.manual_seed(1)
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 8))
     x = torch.randn(32, 8)
