@@ -1,13 +1,13 @@
 """``strategy="auto"``: measure the links and the rank, ask the Rust cost model, agree on one strategy on every rank.
 
-The probe times all-gathers of two sizes on the intra-group and the inter-group communicator (a few
-milliseconds on CPU): the small one gives the latency per ring step, the difference gives the bandwidth. It also
-times an MLP block's forward and backward (the rank's compute throughput) and an AdamW step (the optimizer's), on
-all ranks at once, as they run in training, and how much compute slows while each level's collectives run beside
-it. Given the model and an example batch (``ParoShardedModule(example_inputs=...)``), the throughputs and overlaps
-are the model's own instead (``probe_model``): its forward and backward timed on every rank at once (the cost
-model's FLOPs for them over the seconds), beside each level's gathers, and AdamW on its shapes. Rank 0 decides;
-every rank uses its decision.
+The probe times all-gathers of two sizes (4 KiB and 16 MiB: large enough that a link's burst allowance and
+scheduling jitter do not inflate the bandwidth) on the intra-group and the inter-group communicator: the small one
+gives the latency per ring step, the difference gives the bandwidth. It also times an MLP block's forward and
+backward (the rank's compute throughput) and an AdamW step (the optimizer's), on all ranks at once, as they run in
+training, and how much compute slows while each level's collectives run beside it. Given the model and an example
+batch (``ParoShardedModule(example_inputs=...)``), the throughputs and overlaps are the model's own instead
+(``probe_model``): its forward and backward timed on every rank at once (the cost model's FLOPs for them over the
+seconds), beside each level's gathers, and AdamW on its shapes. Rank 0 decides; every rank uses its decision.
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ def measure_overlap(
 def measure_links(
     groups: ParoGroups,
     small: int = 4 << 10,
-    large: int = 4 << 20,
+    large: int = 16 << 20,
     repeats: int = 5,
     device: torch.device | None = None,
 ) -> LinkCalibration:
