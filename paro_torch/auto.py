@@ -303,6 +303,7 @@ def probe_model(
     flops: float,
     device: torch.device,
     repeats: int = 3,
+    dtype: torch.dtype | None = None,
 ) -> LinkCalibration:
     """``links`` with the compute and optimizer throughputs and the overlaps measured on the model itself.
 
@@ -312,8 +313,9 @@ def probe_model(
     matrix products (norms, attention, the loss, Python). Overlap: ``measure_overlap`` with that step as the
     compute. Optimizer: AdamW over zero tensors shaped as the model's trainable parameters (the first ones, up to
     2^22 elements), since how fast it runs depends on the tensors' sizes as well as their total. Every rank runs
-    at once, as in training; all get the slowest rank's throughputs. Random state and the parameters' values,
-    gradients and buffers are as before.
+    at once, as in training; all get the slowest rank's throughputs. With ``dtype`` (mixed precision's compute
+    dtype) the model runs under autocast to it. Random state and the parameters' values, gradients and buffers
+    are as before.
     """
     if isinstance(example_inputs, dict):
         args, kwargs = (), example_inputs
@@ -324,8 +326,12 @@ def probe_model(
     grads = [p.grad for p in params]
     buffers = [(b, b.clone()) for b in module.buffers()]  # e.g. BatchNorm statistics that a forward updates
 
+    low = dtype is not None and dtype != torch.float32
+
     def step() -> None:
-        _loss(module(*args, **kwargs)).backward()
+        with torch.autocast(device.type, dtype=dtype) if low else contextlib.nullcontext():
+            loss = _loss(module(*args, **kwargs))
+        loss.backward()
         sync()
 
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):

@@ -273,7 +273,7 @@ class ParoShardedModule(nn.Module):
                 assert tokens_per_micro_step is not None  # checked by _probe_problem
                 # counted as the probe runs: a Trainer turns checkpointing on after wrapping
                 flops = model_flops(self.cost_blocks, self.groups, tokens_per_micro_step, _checkpointed(module))
-                links = probe_model(links, self.groups, module, example_inputs, flops, self.device)
+                links = probe_model(links, self.groups, module, example_inputs, flops, self.device, dtype=param_dtype)
             self.links = links
             code, self.plan = choose_strategy(
                 self.cost_blocks,

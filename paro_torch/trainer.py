@@ -97,6 +97,8 @@ class ParoTrainer(Trainer):
         calibration: Link figures for ``auto`` (a ``LinkCalibration`` or a JSON path).
         tokens_per_micro_step: Tokens one rank processes per micro-step, so that ``auto`` predicts compute too;
             default ``per_device_train_batch_size`` times the length of the training set's first ``input_ids``.
+            With it, ``auto`` also times the model itself on the training set's first micro-batch
+            (``ParoShardedModule``'s ``example_inputs``).
 
     Raises:
         RuntimeError: torch.distributed is not initialized (launch with torchrun).
@@ -151,6 +153,8 @@ class ParoTrainer(Trainer):
         if opts["tokens_per_micro_step"] is None:
             batch = self.args.per_device_train_batch_size
             opts["tokens_per_micro_step"] = tokens_per_micro_step(self.train_dataset, batch)
+        if opts["strategy"].strip().lower() == "auto" and opts["tokens_per_micro_step"] is not None:
+            opts["example_inputs"] = self._example_batch()  # auto times the model itself on it
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if self.args.bf16 else None
         paro = ParoShardedModule(
             model, opts.pop("strategy"), mixed_precision=mp, grad_accum=self.args.gradient_accumulation_steps, **opts
@@ -163,6 +167,22 @@ class ParoTrainer(Trainer):
                 setattr(paro, name, method)
         self.model = self.model_wrapped = self.callback_handler.model = paro
         return paro
+
+    def _example_batch(self) -> dict[str, Any] | None:
+        """One micro-batch as the Trainer feeds the model: the training set's first items, its columns, collated.
+
+        None when the dataset cannot be indexed (e.g. an iterable one), or the model is not on the CPU, where
+        ParoTrainer's engine runs.
+        """
+        if any(p.device.type != "cpu" for p in self.model.parameters()):
+            return None
+        columns = set(self._signature_columns or ())
+        try:
+            items = [self.train_dataset[i] for i in range(self.args.per_device_train_batch_size)]
+            items = [{k: v for k, v in item.items() if not columns or k in columns} for item in items]
+        except (TypeError, KeyError, IndexError, AttributeError, NotImplementedError):
+            return None
+        return dict(self.data_collator(items))
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """The Trainer's optimizer, built on the Hugging Face model inside: its sharded parameters, by name."""

@@ -297,6 +297,8 @@ def check_auto(out: str) -> None:
     # the Trainer told auto its tokens per micro-step (batch x the dataset's sequence length): compute is predicted
     chosen = next(s for s in trainer.model.plan["strategies"] if s["code"] == code)
     assert chosen["step"]["compute_s"] > 0, chosen["step"]
+    # and timed the model itself on the training set's first micro-batch
+    assert trainer.model.links is not None and trainer.model.links.compute_probe == "model", trainer.model.links
     assert trainer.model.param_dtype == torch.bfloat16
     trainer.train()
     tied = partial(make_model, tie_word_embeddings=True)
