@@ -233,27 +233,34 @@ def measure_links(
     large: int = 16 << 20,
     repeats: int = 5,
     device: torch.device | None = None,
+    throughputs: bool = True,
 ) -> LinkCalibration:
-    """Measures both levels and the ranks' throughputs on ``device`` (default: the CPU).
+    """Measures both levels on ``device`` (default: the CPU) and, with ``throughputs``, the ranks' throughputs.
 
-    Every rank returns the same (slowest-rank) figures.
+    The throughputs and overlaps come from stand-in steps (an MLP block, AdamW); without ``throughputs`` they are
+    left unmeasured, for ``probe_model`` to measure on the model. Every rank returns the same (slowest-rank) figures.
     """
     device = device or torch.device("cpu")
     dist.barrier(group=groups.whole)  # every rank probes the same level at once, as in training
     intra_bw, intra_lat = _level(groups.intra, small, large, repeats, device)
     dist.barrier(group=groups.whole)
     inter_bw, inter_lat = _level(groups.inter, small, large, repeats, device)
-    flops, params_per_s = measure_throughputs(device, repeats, groups.whole)
-    overlap = _overlaps(groups, device)
+    flops, params_per_s = measure_throughputs(device, repeats, groups.whole) if throughputs else (1.0, 1.0)
     # agree on the pessimistic figures: max latency, min bandwidth and throughput over ranks
     t = [intra_lat, inter_lat, -intra_bw, -inter_bw, -flops, -params_per_s]
     t = torch.tensor(t, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups.whole)
-    return LinkCalibration(
+    links = LinkCalibration(
         intra_bandwidth=float(-t[2]),
         inter_bandwidth=float(-t[3]),
         intra_latency=float(t[0]),
         inter_latency=float(t[1]),
+    )
+    if not throughputs:
+        return links
+    overlap = _overlaps(groups, device)
+    return dataclasses.replace(
+        links,
         compute_flops=float(-t[4]),
         compute_probe="mlp block",
         optimizer_params_per_s=float(-t[5]),

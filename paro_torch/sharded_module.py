@@ -264,7 +264,7 @@ class ParoShardedModule(nn.Module):
             # probe) alone, and the plan's times mean something only when link figures are given
             given = calibration is not None or os.environ.get("PARO_CALIBRATION") or example_inputs is not None
             links = (
-                _links(calibration, self.groups, self.device)
+                _links(calibration, self.groups, self.device, throughputs=example_inputs is None)
                 if auto or given
                 else LinkCalibration(1e10, 1e9, 1e-5, 1e-5)
             )
@@ -1023,9 +1023,14 @@ def _validate_everywhere(
     return parsed
 
 
-def _links(calibration: LinkCalibration | str | None, groups: ParoGroups, device: torch.device) -> LinkCalibration:
-    """Link figures: given, read from a file (argument or PARO_CALIBRATION), else measured now."""
+def _links(
+    calibration: LinkCalibration | str | None, groups: ParoGroups, device: torch.device, throughputs: bool = True
+) -> LinkCalibration:
+    """Link figures: given, read from a file (argument or PARO_CALIBRATION), else measured now.
+
+    A measurement includes the stand-in throughputs unless a model probe follows (``throughputs=False``).
+    """
     if isinstance(calibration, LinkCalibration):
         return calibration
     path = calibration or os.environ.get("PARO_CALIBRATION")
-    return LinkCalibration.load(path) if path else measure_links(groups, device=device)
+    return LinkCalibration.load(path) if path else measure_links(groups, device=device, throughputs=throughputs)

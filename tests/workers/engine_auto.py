@@ -100,6 +100,22 @@ def main() -> None:
     rates = [0.0] * dist.get_world_size()
     dist.all_gather_object(rates, probed.links.compute_flops)
     assert len(set(rates)) == 1, rates  # every rank plans with the slowest rank's figure
+
+    # no calibration given: the links are measured, and the throughputs and overlaps only on the model (the
+    # stand-in MLP and AdamW probes are not run at all)
+    def no_stand_ins(*_: object, **__: object) -> None:
+        raise AssertionError("the stand-in throughput probe ran although a model probe follows")
+
+    stand_ins, paro_torch.auto.measure_throughputs = paro_torch.auto.measure_throughputs, no_stand_ins
+    torch.manual_seed(1)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 8))
+    only_model = ParoShardedModule(net, "auto", process_groups=pgs, wrap_policy={torch.nn.Linear},
+                                   memory_budget=budget, tokens_per_micro_step=32, example_inputs=x)  # fmt: skip
+    paro_torch.auto.measure_throughputs = stand_ins
+    got = only_model.links
+    assert got is not None and got.compute_probe == "model" and got.compute_flops, got
+    assert got.optimizer_params_per_s and got.intra_overlap is not None and got.inter_overlap is not None, got
+    assert measure_links(groups, large=1 << 16, repeats=1, throughputs=False).compute_flops is None
     try:  # the batch's tokens are needed to count its FLOPs: an error on every rank
         ParoShardedModule(make("plain"), "auto", process_groups=pgs, wrap_policy={Block}, calibration=saved,
                           example_inputs=torch.zeros(2, 6, dtype=torch.long))  # fmt: skip
