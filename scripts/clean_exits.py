@@ -5,7 +5,8 @@
 
 Each case is a worker of tests/workers that the suite expects to succeed, on 4 ranks as 2 groups of 2, with the
 arguments the suite gives it (the workers that must fail, such as dead_rank.py, are left out). Prints one table
-row per case: runs, failed runs, the exit codes seen, seconds.
+row per case: runs, failed runs, the exit codes seen ("hung": killed after 300 s), seconds; the last lines of
+every rank of a failed run go to stderr.
 """
 
 from __future__ import annotations
@@ -61,16 +62,26 @@ def main() -> None:
         if script == "deepspeed_zero3.py" and importlib.util.find_spec("deepspeed") is None:
             print(f"| {name} | skipped: deepspeed is not installed | | | |")
             continue
-        codes: Counter[int] = Counter()
+        codes: Counter[int | str] = Counter()
         failed, start = 0, time.monotonic()
         for _ in range(args.runs):
             with tempfile.TemporaryDirectory() as tmp:
                 run_args = tuple(a.replace("{tmp}", tmp) for a in wargs)
                 env = {"PARO_GROUP_SIZE": "2", **EXTRA_ENV.get(name, {})}
-                results = launch(script, 4, env=env, args=run_args, timeout=300)
+                try:
+                    results = launch(script, 4, env=env, args=run_args, timeout=300)
+                except AssertionError as e:  # a hang: launch killed every rank
+                    codes["hung"] += 4
+                    failed += 1
+                    print(f"{name}: {e}", file=sys.stderr, flush=True)
+                    continue
             codes.update(r.returncode for r in results)
-            failed += any(r.returncode != 0 for r in results)
-        seen = ", ".join(f"{c}: {k}" for c, k in sorted(codes.items()))
+            if any(r.returncode != 0 for r in results):
+                failed += 1
+                for r in results:  # what a failed run said, for the diagnosis
+                    tail = "\n".join(r.output.splitlines()[-20:])
+                    print(f"{name}: rank {r.rank} exit {r.returncode}:\n{tail}", file=sys.stderr, flush=True)
+        seen = ", ".join(f"{c}: {k}" for c, k in sorted(codes.items(), key=lambda ck: str(ck[0])))
         print(f"| {name} | {args.runs} | {failed} | {seen} | {time.monotonic() - start:.0f} |", flush=True)
 
 
