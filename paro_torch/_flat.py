@@ -299,12 +299,12 @@ class FlatBuffer:
         if granularity == N:
             out.copy_(shard)
             return
-        i_lo, i_hi = self.range(I)
         if granularity == G:
-            _all_gather(out[i_lo:i_hi], shard, g.inter, self.sent, "inter")
-        else:
-            out[i_lo:i_hi].copy_(shard)
-        _all_gather(out, out[i_lo:i_hi], g.intra, self.sent, "intra")
+            i_lo, i_hi = self.range(I)
+            chunk = shard.new_empty(i_hi - i_lo)  # this rank's I-chunk
+            _all_gather(chunk, shard, g.inter, self.sent, "inter")
+            shard = chunk
+        _all_gather(out, shard, g.intra, self.sent, "intra")  # puts this rank's own chunk in place too
 
     def views(self) -> list[torch.Tensor]:
         """The original parameters as views of the whole natural buffer (call after unshard).
