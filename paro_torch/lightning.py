@@ -60,6 +60,11 @@ class ParoStrategy(DDPStrategy):
             data is set up, so it cannot be read off the dataloader).
         activation_checkpointing: Whether the model recomputes activations in backward, for ``auto``; default: the
             model says so (Hugging Face's ``is_gradient_checkpointing``, or ``checkpoint_wrapper``).
+        example_inputs: One micro-batch as the LightningModule's ``forward`` takes it (a dict of keyword arguments,
+            a tuple of positional ones or a tensor, on the strategy's device), with ``tokens_per_micro_step``: the
+            cost model's compute and optimizer throughputs are then timed on the model itself before sharding
+            (``ParoShardedModule(example_inputs=)``), rather than on stand-in layers. ``forward`` must return a
+            ``loss`` or a float tensor that needs a gradient.
         **kwargs: Lightning's DDP strategy arguments (``accelerator``, ``parallel_devices``, ``cluster_environment``,
             ``checkpoint_io``, ``precision_plugin``, ``process_group_backend``, ``timeout``, ``start_method``).
 
@@ -80,6 +85,7 @@ class ParoStrategy(DDPStrategy):
         calibration: Any = None,
         tokens_per_micro_step: int | None = None,
         activation_checkpointing: bool | None = None,
+        example_inputs: Any = None,
         **kwargs: Any,
     ) -> None:
         if strategy.strip().lower() != "auto":
@@ -95,6 +101,7 @@ class ParoStrategy(DDPStrategy):
             "calibration": calibration,
             "tokens_per_micro_step": tokens_per_micro_step,
             "activation_checkpointing": activation_checkpointing,
+            "example_inputs": example_inputs,
         }
         self._mixed_precision = mixed_precision
 

@@ -117,7 +117,8 @@ def check_train(out: Path) -> None:
     start = params(*fit("ddp", epochs=EPOCHS - 1))  # the check can fail: the last epoch moves far more than TOL
     assert worst(start, want) > 100 * TOL
     done = []
-    timed = ParoStrategy("auto", group_size=2, tokens_per_micro_step=BATCH)  # one "token" per sample here
+    # one "token" per sample here; the model's own forward and backward timed on one batch
+    timed = ParoStrategy("auto", group_size=2, tokens_per_micro_step=BATCH, example_inputs=torch.randn(BATCH, DIM))
     for strategy in ("paro", "paro_IIG", ParoStrategy("GGG", group_size=2), timed):
         t, module = fit(strategy)
         model = t.strategy.model
@@ -131,6 +132,7 @@ def check_train(out: Path) -> None:
         if model.plan is not None:  # auto: the predicted step has compute exactly when the tokens are known
             step = next(s["step"] for s in model.plan["strategies"] if s["code"] == model.strategy.code)
             assert (step["compute_s"] > 0) == (strategy is timed), (strategy, step)
+            assert model.links is not None and (model.links.compute_probe == "model") == (strategy is timed)
     report("train", ", ".join(done))
 
 
