@@ -28,7 +28,25 @@ def free_port() -> int:
 def launch(
     script: str, world: int, *, env: dict[str, str] | None = None, args: tuple[str, ...] = (), timeout: float = 600
 ) -> list[RankResult]:
-    """Runs ``workers/<script>`` on ``world`` ranks; kills them all if they exceed ``timeout`` seconds."""
+    """Runs ``workers/<script>`` on ``world`` ranks; kills them all if they exceed ``timeout`` seconds.
+
+    The rendezvous port is picked free and released before rank 0 binds it, so another program can take it in
+    between: then rank 0 fails with EADDRINUSE while the others wait for its store, and the launch is retried on
+    another port (up to 3 times).
+    """
+    for _ in range(2):
+        results = _launch_once(script, world, env, args, timeout)
+        if results is not None:
+            return results
+    results = _launch_once(script, world, env, args, timeout)
+    assert results is not None, f"{script}: rank 0 found its rendezvous port taken 3 times in a row"
+    return results
+
+
+def _launch_once(
+    script: str, world: int, env: dict[str, str] | None, args: tuple[str, ...], timeout: float
+) -> list[RankResult] | None:
+    """One launch; None when rank 0 could not bind the rendezvous port (the other ranks are then killed)."""
     port = free_port()
     procs = []
     for rank in range(world):
@@ -57,6 +75,11 @@ def launch(
     try:
         for rank, p in enumerate(procs):
             out, _ = p.communicate(timeout=timeout)
+            if rank == 0 and p.returncode != 0 and "EADDRINUSE" in out and "TCPStore" in out:
+                for q in procs:
+                    q.kill()
+                    q.communicate()
+                return None
             results.append(RankResult(rank, p.returncode, out))
     except subprocess.TimeoutExpired as err:
         for p in procs:
