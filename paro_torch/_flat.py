@@ -55,6 +55,11 @@ class ParamSlot:
         return (self.fqn, *(a[2] for a in self.aliases))
 
     @property
+    def targets(self) -> list[tuple[nn.Module, str]]:
+        """Every (module, attribute) the parameter is reached by."""
+        return [(self.module, self.name), *[(a[0], a[1]) for a in self.aliases]]
+
+    @property
     def replicated(self) -> bool:
         """A 0-dimensional parameter has no rows to shard: every block holds it whole."""
         return param_rows(self.shape)[2]
@@ -262,6 +267,12 @@ class FlatBuffer:
         """Makes the whole natural buffer available (gathering it for p = I, G) and returns it."""
         if self.strategy.p == N:
             return self.p_shard
+        # a normal tensor also when first made under inference_mode (on CUDA this runs on the caller's thread):
+        # training later reuses it and preserves its version counter, which inference tensors do not have
+        with torch.inference_mode(False):
+            return self._unshard()
+
+    def _unshard(self) -> torch.Tensor:
         if self.full is None:
             self.full = torch.empty(self.numel, dtype=self.param_dtype, device=self.device)
             if self.trainable:
@@ -280,9 +291,18 @@ class FlatBuffer:
         return self.full
 
     def reshard(self) -> None:
-        """Frees the gathered buffer (p = I, G); views keep their metadata and see it again after unshard."""
-        if self.strategy.p != N and self.full is not None and self.full.untyped_storage().size() > 0:
+        """Frees the gathered buffer (p = I, G) and drops the modules' attributes that viewed it.
+
+        The modules then see the sharded parameters again; autograd's saved views keep their metadata and see the
+        storage again after the next unshard.
+        """
+        if self.strategy.p == N:
+            return
+        if self.full is not None and self.full.untyped_storage().size() > 0:
             self.full.untyped_storage().resize_(0)
+        for slot in self.slots:
+            for module, name in slot.targets:
+                module.__dict__.pop(name, None)
 
     def full_freed(self) -> bool:
         """Whether the whole buffer was gathered before and is resharded now (p = I, G)."""

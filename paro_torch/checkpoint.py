@@ -295,11 +295,18 @@ def _install_optimizer_state(
             f"the checkpoint's optimizer has {len(groups)} param groups, this one {len(optimizer.param_groups)}; "
             "build the optimizer with the same groups"
         )
-    for p in _trainable(model).values():
-        if states[id(p)]:
-            optimizer.state[p] = {name: entries[v] if isinstance(v, str) else v for name, v in states[id(p)].items()}
     for group, saved in zip(optimizer.param_groups, groups, strict=True):
         group.update(saved)
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    for p in _trainable(model).values():
+        if states[id(p)]:
+            state = {name: entries[v] if isinstance(v, str) else v for name, v in states[id(p)].items()}
+            group = group_of.get(id(p), {})
+            step = state.get("step")
+            if torch.is_tensor(step) and (group.get("fused") or group.get("capturable")):
+                # as Optimizer.load_state_dict: fused and capturable steps keep "step" on the parameter's device
+                state["step"] = step.to(device=p.device, dtype=torch.float32)
+            optimizer.state[p] = state
 
 
 def export_safetensors(

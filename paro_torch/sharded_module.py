@@ -144,17 +144,13 @@ class _Unit:
             with torch.enable_grad():  # views that require grad, also when made inside backward (recomputation)
                 views = b.views()
             for slot, view in zip(b.slots, views, strict=False):
-                for module, name in [(slot.module, slot.name), *[(a[0], a[1]) for a in slot.aliases]]:
+                for module, name in slot.targets:
                     module.__dict__[name] = view
 
     def reshard(self) -> None:
         """Frees gathered parameters (p = I, G); the modules' attributes fall back to the sharded parameters."""
         for b in self.buffers:
             b.reshard()
-            if b.strategy.p != N:
-                for slot in b.slots:
-                    for module, name in [(slot.module, slot.name), *[(a[0], a[1]) for a in slot.aliases]]:
-                        module.__dict__.pop(name, None)
 
     def unsharded(self) -> bool:
         """Whether any of its buffers holds gathered parameters now."""
@@ -367,6 +363,10 @@ class ParoShardedModule(nn.Module):
             if u.module is not module:
                 u.module.register_forward_pre_hook(self._make_pre_forward(u), prepend=True, with_kwargs=True)
                 u.module.register_forward_hook(self._make_post_forward(u))
+        # the root's work runs in hooks on the wrapped module itself, so that calling it directly (Hugging Face's
+        # ``model.generate`` reaches the inner model's forward through __getattr__) syncs and gathers it too
+        module.register_forward_pre_hook(self._root_pre_forward, prepend=True, with_kwargs=True)
+        module.register_forward_hook(self._root_post_forward)
 
     # ------------------------------------------------------------------------------------------ construction
     def _build_units(
@@ -406,7 +406,7 @@ class ParoShardedModule(nn.Module):
                 buffer = FlatBuffer(slots, values, self.strategy, self.groups, self.mesh, trainable, self.precision,
                                     self._grad_ready, reduce_groups=self._rgroups, device=self.device)  # fmt: skip
                 for slot, param in zip(slots, buffer.params, strict=True):
-                    for m, name in [(slot.module, slot.name), *[(a[0], a[1]) for a in slot.aliases]]:
+                    for m, name in slot.targets:
                         m._parameters[name] = param  # the shard, under the parameter's own name
                 buffers.append(buffer)
             units.append(_Unit(len(units), block, buffers))
@@ -595,11 +595,7 @@ class ParoShardedModule(nn.Module):
         if self._sync_gradients:
             self._pending_reduce.append(self._reducer.submit(dist.all_reduce, flags, group=self._rgroups.whole))
         self._finish_reductions()
-        for u in self._units:
-            u.state = TrainingState.IDLE
-            for b in u.buffers:
-                b.grad_ready = False
-                b.reshard()
+        self._reset_units()
         if not self._sync_gradients:
             return
         late, used = bool(flags[-1]), flags[:-1]
@@ -618,20 +614,76 @@ class ParoShardedModule(nn.Module):
                 "optimizer.step() (and zero_grad()) before the next forward of the model"
             )
 
+    def _reset_units(self) -> None:
+        """Every unit idle and resharded (its modules' attributes back on the shards: no view of freed storage)."""
+        for u in self._units:
+            u.state = TrainingState.IDLE
+            u.reshard()
+            for b in u.buffers:
+                b.grad_ready = False
+
+    def _recover_from_failed_backward(self) -> None:
+        """A forward after a backward that raised (autograd then skips its end callback): start clean.
+
+        The gradients accumulated since the last boundary are dropped (the failed backward reduced some units'
+        and not others'), on every rank alike when every rank failed alike; call ``zero_grad()`` and go on with
+        the next batch, as after a failed backward in one process.
+        """
+        logger.warning(
+            "paro_torch: the last backward did not finish (it raised); the gradients accumulated since the last "
+            "optimizer step are dropped"
+        )
+        self._in_backward = False
+        self._end_pass()
+        for handle in self._pending_reduce:
+            with contextlib.suppress(Exception):  # a reduction that failed with the backward
+                handle.result()
+        self._pending_reduce.clear()
+        self._ready.clear()
+        self._next_reduce = 0
+        self._bwd_flags.clear()
+        self._reset_units()
+        for b in self._reduce_order:
+            if b.g_acc is not None:
+                b.g_acc.zero_()
+            b.clear_grads()  # a boundary sync of the failed backward may have created some after zero_grad()
+        self._used.zero_()
+        self._created_grad.clear()
+
     # ----------------------------------------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the module, bringing each unit's parameters up to date on the gather thread ahead of it.
 
         After an optimizer step, each unit's t_syncp (and for p = I, G its gather) overlaps the forward of the
         units before it: one unit ahead for p = I, G; all queued at once for p = N, where that costs no memory.
+        The work is done by hooks on the wrapped module (``_root_pre_forward``, ``_root_post_forward``).
         """
+        try:
+            return self.module(*args, **kwargs)
+        except BaseException:
+            self._abort_forward()
+            raise
+
+    def _abort_forward(self) -> None:
+        """After a forward that raised: wait for its gathers and reshard what it gathered."""
+        root = self._units[-1]
+        self._end_pass()
+        if self.strategy.p != N:
+            root.reshard()
+        root.state = TrainingState.IDLE
+
+    def _root_pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        if self._pass and not self._in_autograd():  # a direct call of the module raised before its end
+            self._abort_forward()
+        if self._in_backward and not self._in_autograd():
+            self._recover_from_failed_backward()
         if self._sync_params_next:  # see [Note: parameter sync]
             self._sync_params_next = False
             self._synced_since_boundary = True
             for u in self._units:
                 u.needs_sync = any(b.trainable for b in u.buffers)
         root = self._units[-1]
-        if self._buffers_to_sync and self.training and torch.is_grad_enabled():
+        if self._buffers_to_sync and module.training and torch.is_grad_enabled():
             self._gathers.submit(_broadcast_from_rank0, self._buffers_to_sync, self._gather_world).result()
         self._begin_pass(self._fwd_order)
         self._root_grad = torch.is_grad_enabled()
@@ -642,14 +694,13 @@ class ParoShardedModule(nn.Module):
         root.state = TrainingState.FORWARD
         self._acquire(root)
         root.set_views()
-        try:
-            if self.precision.cast_inputs:
-                args, kwargs = _cast_floats((args, kwargs), self.precision.param)
-            out = self.module(*args, **kwargs)
-            if self.precision.output is not None:
-                out = _cast_floats(out, self.precision.output)
-        finally:
-            self._end_pass()
+        return _cast_floats((args, kwargs), self.precision.param) if self.precision.cast_inputs else None
+
+    def _root_post_forward(self, module: nn.Module, args: Any, out: Any) -> Any:
+        root = self._units[-1]
+        if self.precision.output is not None:
+            out = _cast_floats(out, self.precision.output)
+        self._end_pass()
         if self.strategy.p != N:
             root.reshard()
         root.state = TrainingState.IDLE
@@ -660,6 +711,12 @@ class ParoShardedModule(nn.Module):
             self._bwd_flags.append(
                 (flags, self._gathers.submit(dist.all_reduce, flags, op=dist.ReduceOp.MAX, group=self._gather_world))
             )
+            if len(self._bwd_flags) > 4:  # forwards with grad and no backward (an evaluation without no_grad)
+                folded = torch.zeros_like(flags)
+                for f, handle in self._bwd_flags:
+                    handle.result()
+                    folded |= f
+                self._bwd_flags = [(folded, _Done(None))]
         return out
 
     # ----------------------------------------------------------------------------------------- training API
@@ -934,6 +991,16 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
 
 def _optimizes(optimizer: torch.optim.Optimizer, master_ids: set[int]) -> bool:
     return any(id(p) in master_ids for group in optimizer.param_groups for p in group["params"])
+
+
+class _Done:
+    """A handle whose call has finished."""
+
+    def __init__(self, value: Any) -> None:
+        self._value = value
+
+    def result(self) -> Any:
+        return self._value
 
 
 def _tensors(x: Any) -> Iterator[torch.Tensor]:

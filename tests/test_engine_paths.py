@@ -24,6 +24,9 @@ CASES = [
     "seeds",  # each rank builds the model with its own seed: rank 0's parameters and buffers win
     "param_groups",  # optimizer groups by ParoShardedModule.named_parameters() names
     "meta",  # built on the meta device, initialised unit by unit by param_init_fn
+    "backward_error",  # a backward raises midway on every rank; the step is skipped and training goes on
+    "direct_call",  # the inner model called past the wrapper between steps (Hugging Face's generate)
+    "inference_first",  # the first forward under inference_mode, communication on the calling thread (as CUDA)
 ]
 
 

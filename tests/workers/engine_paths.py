@@ -5,7 +5,10 @@ sgd, adam_l2 (optimizers); skipped_step (a GradScaler-style skipped optimizer st
 (a block unused on one rank for one step); ckpt_nonreentrant_early, ckpt_nonreentrant_late, ckpt_reentrant
 (activation checkpointing); retain_graph; batchnorm (buffers); seeds (ranks built with different seeds);
 param_groups (optimizer groups by the original parameter names); meta (built on the meta device, initialised by
-param_init_fn unit by unit).
+param_init_fn unit by unit); backward_error (a backward that raises midway on every rank, the step skipped);
+direct_call (the inner model called past the wrapper, as Hugging Face's generate does, between steps);
+inference_first (the first forward under inference_mode with communication issued on the calling thread, as on
+CUDA). Every case also checks that no module attribute points at freed parameter storage between steps.
 """
 
 import contextlib
@@ -82,6 +85,27 @@ class Tiny(nn.Module):
             x = b(x) if self.use_reentrant is None else checkpoint(b, x, use_reentrant=self.use_reentrant)
         return self.head(x)
 
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        """Calls the model itself, as Hugging Face's ``generate`` does (reached through the wrapper's __getattr__)."""
+        return self(x)
+
+
+class InlineLane:
+    """Runs each call at once on the calling thread, as the engine's CUDA lanes do (its CPU lanes use threads)."""
+
+    class Done:
+        def __init__(self, value: object) -> None:
+            self.value = value
+
+        def result(self) -> object:
+            return self.value
+
+    def submit(self, fn: Callable[..., object], *args: object, **kwargs: object) -> "InlineLane.Done":
+        return InlineLane.Done(fn(*args, **kwargs))
+
+    def hand_over(self, tensors: object) -> None:
+        pass
+
 
 def make(case: str, seed: int = 0, device: str = "cpu") -> Tiny:
     """The case's model. ``meta``: its modules initialised by ``init_by_name`` (built on ``device``, uninitialised)."""
@@ -136,7 +160,7 @@ def skip_of(case: str, step: int, rank: int) -> int | None:
 
 def steps_optimizer(case: str, step: int) -> bool:
     """False where a GradScaler would have found inf: every rank skips optimizer.step() (zero_grad still runs)."""
-    return not (case == "skipped_step" and step == SKIP_STEP)
+    return not (case in ("skipped_step", "backward_error") and step == SKIP_STEP)
 
 
 def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -216,19 +240,50 @@ def train_paro(case: str, code: str, data: list, groups: ParoGroups) -> ParoShar
     opt = make_optimizer(case, model)
     late = set_checkpoint_early_stop(False) if case == "ckpt_nonreentrant_late" else contextlib.nullcontext()
     local = slice(rank * BATCH, (rank + 1) * BATCH)
+    if case == "inference_first":
+        model._gathers, model._reducer = InlineLane(), InlineLane()
+        with torch.inference_mode():
+            model(data[0][0][0][local])
     with late:
         for step, micro in enumerate(data):
             for j, (x, y) in enumerate(micro):
                 with model.no_sync() if j < ACCUM - 1 else contextlib.nullcontext():
+                    # backward_error: at the boundary micro-step, after the head's and the last block's
+                    # reductions went out, a hook at block 0's output raises
+                    fails = case == "backward_error" and step == SKIP_STEP and j == ACCUM - 1
+                    hook = inner.blocks[0].register_forward_hook(fail_in_backward) if fails else None
                     loss = loss_fn(model(x[local], skip=skip_of(case, step, rank)), y[local]) / ACCUM
+                    if hook is not None:
+                        hook.remove()
+                        try:
+                            loss.backward()
+                        except RuntimeError as e:
+                            assert "injected failure" in str(e), e
+                            break  # the step is skipped; zero_grad() below
+                        raise AssertionError("the backward that should raise did not")
                     loss.backward(retain_graph=case == "retain_graph" and j == 0)
             if steps_optimizer(case, step):
                 opt.step()
             opt.zero_grad()
+            freed = [f"{type(m).__name__}.{k}" for m in inner.modules() for k, v in vars(m).items()
+                     if torch.is_tensor(v) and v.numel() and not v.untyped_storage().size()]  # fmt: skip
+            assert not freed, f"{code} ({case}): after step {step}, module attributes point at freed storage: {freed}"
+            if case == "direct_call" and step < len(data) - 1:  # past the wrapper between steps (main checks
+                with torch.no_grad():  # the output after the last step)
+                    model.predict(data[0][0][0][local])
     if case in CHECKPOINT:  # the test checkpoints for real: every block's forward ran again in backward
         calls = [b.calls for b in inner.blocks]
         assert calls == [2 * STEPS * ACCUM] * len(calls), f"{code} ({case}): blocks ran {calls} times"
     return model
+
+
+def fail_in_backward(module: nn.Module, args: object, out: torch.Tensor) -> None:
+    """A forward hook: backward raises when it reaches the module's output."""
+
+    def fail(grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("injected failure in backward")
+
+    out.register_hook(fail)
 
 
 def compare(case: str, code: str, model: ParoShardedModule, ref: Tiny) -> list[str]:
@@ -300,6 +355,12 @@ def main() -> None:
     for code in strategies:
         model = train_paro(case, code, data, groups)
         result = compare(case, code, model, ref)
+        if case == "direct_call" and result[0].startswith("ok "):  # the first call after the last step
+            x = data[0][0][0][rank * BATCH : (rank + 1) * BATCH]
+            with torch.no_grad():
+                off = (model.predict(x) - ref(x)).abs().max().item()
+            if off >= TOL:
+                result = [f"{code} ({case}): the inner model called directly is {off:.3g} off the reference"]
         if case == "batchnorm" and result[0].startswith("ok "):  # the buffers go through a DCP checkpoint too
             result = through_checkpoint(case, code, model, ref, groups)
             # under a parent module: the wrapped subtree's shards and buffers, prefixed; no collective
