@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from paro_torch import _C
 from paro_torch._agree import raise_together
@@ -469,9 +469,21 @@ class ParoShardedModule(nn.Module):
         self._begin_pass([])
 
     def _make_pre_forward(self, unit: _Unit) -> Callable[..., Any]:
+        frozen = [b for b in unit.buffers if not b.trainable]
+
+        def frozen_done() -> None:
+            for b in frozen:
+                b.reshard()
+
         def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
             self._unit_pre_forward(unit)
-            return _cast_floats((args, kwargs), self.precision.param) if self.precision.cast_inputs else None
+            if self.precision.cast_inputs:
+                args, kwargs = _cast_floats((args, kwargs), self.precision.param)
+            if frozen and self.strategy.p != N and torch.is_grad_enabled():
+                # frozen parameters have no gradient hook to free them after the unit's backward: free them
+                # when the gradients of the unit's inputs are complete (see _AfterInputGrads)
+                args, kwargs = _AfterInputGrads.around((args, kwargs), frozen_done)
+            return args, kwargs
 
         return hook
 
@@ -517,10 +529,10 @@ class ParoShardedModule(nn.Module):
     def _unshard_for_backward(self, unit: _Unit, prefetch: bool) -> None:
         """Gathers the unit for its backward once per backward (its pre-backward hook or a recomputation)."""
         self._start_backward()
-        if unit.state is TrainingState.PRE_BACKWARD:
-            return
-        if unit.state is TrainingState.POST_BACKWARD and not any(b.full_freed() for b in unit.buffers):
-            return
+        if unit.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD) and not any(
+            b.full_freed() for b in unit.buffers
+        ):
+            return  # gathered for this backward already (a unit run twice may need its frozen part again)
         unit.state = TrainingState.PRE_BACKWARD
         self._acquire(unit, prefetch)
         # a recomputation inside the unit's own __call__ (Hugging Face's checkpointed layers) passes no hook of
@@ -991,6 +1003,36 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
 
 def _optimizes(optimizer: torch.optim.Optimizer, master_ids: set[int]) -> bool:
     return any(id(p) in master_ids for group in optimizer.param_groups for p in group["params"])
+
+
+class _AfterInputGrads(torch.autograd.Function):
+    """Identity on a unit's input tensors whose backward calls ``done``: the unit's backward has finished then.
+
+    As FSDP2's post-backward function: the node is created before the unit's own, so autograd runs it after
+    them once the inputs' gradients are complete. Units whose inputs need no gradient are resharded when
+    backward ends.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, done: Callable[[], None], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.done = done
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.done()
+        return (None, *grads)
+
+    @staticmethod
+    def around(inputs: Any, done: Callable[[], None]) -> Any:
+        """``inputs`` with the tensors that need a gradient passed through the function."""
+        flat, spec = tree_flatten(inputs)
+        at = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not at:
+            return inputs
+        for i, t in zip(at, _AfterInputGrads.apply(done, *(flat[i] for i in at)), strict=True):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
 
 
 class _Done:

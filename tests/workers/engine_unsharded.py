@@ -1,7 +1,9 @@
-"""With p = G, activation checkpointing does not unshard more units during backward than training without it.
+"""With p = G, activation checkpointing and frozen parameters do not unshard more units during backward.
 
 Usage: engine_unsharded.py (any world size). Six blocks, each its own unit; the peak number of units holding
-gathered parameters is the root, the unit computing and the one prefetched: 3, in forward and in backward.
+gathered parameters is the root, the unit computing and the one prefetched: 3, in forward and in backward; the
+same with frozen weights (LoRA-like: a frozen and a trainable buffer per unit) and with every other block frozen
+whole (frozen parameters have no gradient hook: they are freed when the unit's input gradients are complete).
 """
 
 import torch
@@ -38,9 +40,15 @@ class Stack(nn.Module):
         return x.sum()
 
 
-def peak(reentrant: bool | None, early_stop: bool) -> dict[str, int]:
+def peak(reentrant: bool | None, early_stop: bool, frozen: str = "") -> dict[str, int]:
     torch.manual_seed(0)
-    model = ParoShardedModule(Stack(reentrant), "GGG", wrap_policy={Block})
+    stack = Stack(reentrant)
+    for i, b in enumerate(stack.blocks):
+        if frozen == "weights":
+            b.fc.weight.requires_grad_(False)
+        elif frozen == "blocks" and i % 2:
+            b.requires_grad_(False)
+    model = ParoShardedModule(stack, "GGG", wrap_policy={Block})
     with set_checkpoint_early_stop(early_stop):
         for _ in range(2):
             model(torch.randn(4, DIM)).backward()
@@ -53,11 +61,16 @@ def main() -> None:
     # the root, the unit computing and the ones gathered ahead by the cost model's rule (IssuePolicy)
     held = 2 + paro_torch._C.Strategy("GGG").gather_ahead
     assert plain == {"forward": held, "backward": held}, plain
+    for frozen in ("weights", "blocks"):
+        got = peak(None, True, frozen)
+        assert got == plain, (frozen, got, plain)
     for reentrant, early_stop in [(False, True), (False, False), (True, True)]:
-        got = peak(reentrant, early_stop)
-        assert got["backward"] <= plain["backward"], (reentrant, early_stop, got, plain)
-        if dist.get_rank() == 0:
-            print(f"reentrant={reentrant} early_stop={early_stop}: peak unsharded {got} (plain {plain})", flush=True)
+        for frozen in ("", "weights"):
+            got = peak(reentrant, early_stop, frozen)
+            assert got["backward"] <= plain["backward"], (reentrant, early_stop, frozen, got, plain)
+            if dist.get_rank() == 0:
+                print(f"reentrant={reentrant} early_stop={early_stop} frozen={frozen or 'none'}: peak unsharded "
+                      f"{got} (plain {plain})", flush=True)  # fmt: skip
     dist.barrier()
     dist.destroy_process_group()
 
