@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import hashlib
 import logging
 import os
@@ -28,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
-from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from paro_torch import _C
 from paro_torch._agree import raise_together
@@ -298,6 +299,8 @@ class ParoShardedModule(nn.Module):
         self._flat_buffers = [b for u in self._units for b in u.buffers]
         self._sync_gradients = True
         self._in_backward = False
+        self._root_depth = 0
+        """Entries into the root session now open (see [Note: the root session])."""
         # [Note: communication threads] Gathers (and t_syncp) run on one thread, reductions (and t_syncg) on
         # another, each on its own communicators, so that neither waits for the other and each one's sequence
         # of collectives is the same on every rank:
@@ -481,8 +484,11 @@ class ParoShardedModule(nn.Module):
                 args, kwargs = _cast_floats((args, kwargs), self.precision.param)
             if frozen and self.strategy.p != N and torch.is_grad_enabled():
                 # frozen parameters have no gradient hook to free them after the unit's backward: free them
-                # when the gradients of the unit's inputs are complete (see _AfterInputGrads)
-                args, kwargs = _AfterInputGrads.around((args, kwargs), frozen_done)
+                # once the gradients of the unit's inputs are complete (as FSDP2's post-backward); units whose
+                # inputs need no gradient are freed when backward ends
+                needs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+                if needs:
+                    torch.autograd.graph.register_multi_grad_hook(needs, lambda _: frozen_done(), mode="all")
             return args, kwargs
 
         return hook
@@ -646,7 +652,7 @@ class ParoShardedModule(nn.Module):
             "optimizer step are dropped"
         )
         self._in_backward = False
-        self._end_pass()
+        self._drop_pass()
         for handle in self._pending_reduce:
             with contextlib.suppress(Exception):  # a reduction that failed with the backward
                 handle.result()
@@ -668,25 +674,25 @@ class ParoShardedModule(nn.Module):
 
         After an optimizer step, each unit's t_syncp (and for p = I, G its gather) overlaps the forward of the
         units before it: one unit ahead for p = I, G; all queued at once for p = N, where that costs no memory.
-        The work is done by hooks on the wrapped module (``_root_pre_forward``, ``_root_post_forward``).
+        The work is done by hooks on the wrapped module (see [Note: the root session]).
         """
+        if self._root_depth:  # a direct call of the module raised before its end
+            self._abort_forward()
         try:
             return self.module(*args, **kwargs)
         except BaseException:
             self._abort_forward()
             raise
 
-    def _abort_forward(self) -> None:
-        """After a forward that raised: wait for its gathers and reshard what it gathered."""
-        root = self._units[-1]
-        self._end_pass()
-        if self.strategy.p != N:
-            root.reshard()
-        root.state = TrainingState.IDLE
-
-    def _root_pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        if self._pass and not self._in_autograd():  # a direct call of the module raised before its end
-            self._abort_forward()
+    # [Note: the root session] The root unit is gathered, and the parameters synced after an optimizer step,
+    # from the first entry into the wrapped module to the matching exit: its forward hooks (so that calling it
+    # directly works too) or ``generate`` (which may reach the model through modules without our hooks, as
+    # PEFT's does). Entries nested in a session do nothing: Lightning runs ``training_step`` inside the wrapped
+    # module's forward, and it calls the module again.
+    def _root_enter(self) -> None:
+        self._root_depth += 1
+        if self._root_depth > 1:
+            return
         if self._in_backward and not self._in_autograd():
             self._recover_from_failed_backward()
         if self._sync_params_next:  # see [Note: parameter sync]
@@ -695,7 +701,7 @@ class ParoShardedModule(nn.Module):
             for u in self._units:
                 u.needs_sync = any(b.trainable for b in u.buffers)
         root = self._units[-1]
-        if self._buffers_to_sync and module.training and torch.is_grad_enabled():
+        if self._buffers_to_sync and self.module.training and torch.is_grad_enabled():
             self._gathers.submit(_broadcast_from_rank0, self._buffers_to_sync, self._gather_world).result()
         self._begin_pass(self._fwd_order)
         self._root_grad = torch.is_grad_enabled()
@@ -706,12 +712,14 @@ class ParoShardedModule(nn.Module):
         root.state = TrainingState.FORWARD
         self._acquire(root)
         root.set_views()
-        return _cast_floats((args, kwargs), self.precision.param) if self.precision.cast_inputs else None
 
-    def _root_post_forward(self, module: nn.Module, args: Any, out: Any) -> Any:
-        root = self._units[-1]
+    def _root_exit(self, out: Any) -> Any:
         if self.precision.output is not None:
             out = _cast_floats(out, self.precision.output)
+        self._root_depth -= 1
+        if self._root_depth > 0:
+            return out
+        root = self._units[-1]
         self._end_pass()
         if self.strategy.p != N:
             root.reshard()
@@ -729,6 +737,53 @@ class ParoShardedModule(nn.Module):
                     handle.result()
                     folded |= f
                 self._bwd_flags = [(folded, _Done(None))]
+        return out
+
+    def _root_pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        self._root_enter()
+        return _cast_floats((args, kwargs), self.precision.param) if self.precision.cast_inputs else None
+
+    def _root_post_forward(self, module: nn.Module, args: Any, out: Any) -> Any:
+        return self._root_exit(out)
+
+    def _drop_pass(self) -> None:
+        """Waits for the gathers the pass issued and frees them.
+
+        It issues none of the rest (ranks that failed alike issued the same), so that a failure does not gather
+        the whole model at once.
+        """
+        for fut in self._gathered.values():
+            with contextlib.suppress(Exception):
+                fut.result()
+        self._gathered.clear()
+        self._begin_pass([])
+
+    def _abort_forward(self) -> None:
+        """After a forward that raised: every unit idle and resharded.
+
+        A unit that raised may still hold its gathered parameters, which the next sync would not refresh.
+        """
+        self._root_depth = 0
+        self._drop_pass()
+        self._reset_units()
+
+    def _in_root_session(self, generate: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's ``generate`` (Hugging Face) in a root session (see [Note: the root session]).
+
+        With p = I, G every forward gathers parameters on every rank, so ranks must run as many forwards:
+        ``synced_gpus`` defaults to True then (as Hugging Face does for FSDP and ZeRO-3).
+        """
+        if self.strategy.p != N and self.groups.world > 1:
+            kwargs.setdefault("synced_gpus", True)
+        if self._root_depth:  # a direct call of the module raised before its end
+            self._abort_forward()
+        self._root_enter()
+        try:
+            out = generate(*args, **kwargs)
+        except BaseException:
+            self._abort_forward()
+            raise
+        self._root_exit(None)
         return out
 
     # ----------------------------------------------------------------------------------------- training API
@@ -764,7 +819,10 @@ class ParoShardedModule(nn.Module):
             inner = self.__dict__.get("module")
             if inner is None:
                 raise
-            return getattr(inner, name)
+            value = getattr(inner, name)
+            if name == "generate" and callable(value):  # Hugging Face's: in a root session
+                return functools.partial(self._in_root_session, value)
+            return value
 
     def train(self, mode: bool = True) -> ParoShardedModule:
         """Sets training mode on the wrapped module too (it is not a child: see [Note: a transparent wrapper])."""
@@ -1003,36 +1061,6 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
 
 def _optimizes(optimizer: torch.optim.Optimizer, master_ids: set[int]) -> bool:
     return any(id(p) in master_ids for group in optimizer.param_groups for p in group["params"])
-
-
-class _AfterInputGrads(torch.autograd.Function):
-    """Identity on a unit's input tensors whose backward calls ``done``: the unit's backward has finished then.
-
-    As FSDP2's post-backward function: the node is created before the unit's own, so autograd runs it after
-    them once the inputs' gradients are complete. Units whose inputs need no gradient are resharded when
-    backward ends.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, done: Callable[[], None], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.done = done
-        return tensors
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.done()
-        return (None, *grads)
-
-    @staticmethod
-    def around(inputs: Any, done: Callable[[], None]) -> Any:
-        """``inputs`` with the tensors that need a gradient passed through the function."""
-        flat, spec = tree_flatten(inputs)
-        at = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not at:
-            return inputs
-        for i, t in zip(at, _AfterInputGrads.apply(done, *(flat[i] for i in at)), strict=True):
-            flat[i] = t
-        return tree_unflatten(flat, spec)
 
 
 class _Done:

@@ -25,7 +25,9 @@ CASES = [
     "param_groups",  # optimizer groups by ParoShardedModule.named_parameters() names
     "meta",  # built on the meta device, initialised unit by unit by param_init_fn
     "backward_error",  # a backward raises midway on every rank; the step is skipped and training goes on
-    "direct_call",  # the inner model called past the wrapper between steps (Hugging Face's generate)
+    "direct_call",  # the inner model called past the wrapper between steps (Hugging Face's and PEFT's generate)
+    "nested",  # Lightning's redirection: training_step inside the wrapper's forward calls the model again
+    "forward_error",  # a forward raises inside a block on every rank; that micro-step is left out
     "inference_first",  # the first forward under inference_mode, communication on the calling thread (as CUDA)
 ]
 

@@ -6,7 +6,10 @@ sgd, adam_l2 (optimizers); skipped_step (a GradScaler-style skipped optimizer st
 (activation checkpointing); retain_graph; batchnorm (buffers); seeds (ranks built with different seeds);
 param_groups (optimizer groups by the original parameter names); meta (built on the meta device, initialised by
 param_init_fn unit by unit); backward_error (a backward that raises midway on every rank, the step skipped);
-direct_call (the inner model called past the wrapper, as Hugging Face's generate does, between steps);
+direct_call (the inner model called past the wrapper between steps, as Hugging Face's generate does, and a
+generate that reaches the forward past the inner model's own hooks, as PEFT's does); nested (Lightning's
+redirection: the wrapper's forward runs training_step, which calls the model again and uses a root parameter);
+forward_error (a forward that raises inside a block on every rank, that micro-step skipped);
 inference_first (the first forward under inference_mode with communication issued on the calling thread, as on
 CUDA). Every case also checks that no module attribute points at freed parameter storage between steps.
 """
@@ -89,6 +92,15 @@ class Tiny(nn.Module):
         """Calls the model itself, as Hugging Face's ``generate`` does (reached through the wrapper's __getattr__)."""
         return self(x)
 
+    def generate(self, x: torch.Tensor, synced_gpus: bool = False) -> torch.Tensor:
+        """Runs the forward past this module's own hooks, as PEFT's ``generate`` reaches the base model."""
+        self.synced_gpus = synced_gpus  # Hugging Face's: every rank runs forwards until all are done
+        return self.forward(x)
+
+    def training_step(self, x: torch.Tensor, y: torch.Tensor, skip: int | None) -> torch.Tensor:
+        """As a LightningModule's: calls the model, and uses a root parameter of its own (a whole tensor)."""
+        return loss_fn(self(x, skip=skip), y) + 0.0 * self.head.weight.sum()
+
 
 class InlineLane:
     """Runs each call at once on the calling thread, as the engine's CUDA lanes do (its CPU lanes use threads)."""
@@ -163,6 +175,11 @@ def steps_optimizer(case: str, step: int) -> bool:
     return not (case in ("skipped_step", "backward_error") and step == SKIP_STEP)
 
 
+def skips_micro(case: str, step: int, j: int) -> bool:
+    """forward_error: the first micro-step of SKIP_STEP raises in forward and is left out."""
+    return case == "forward_error" and step == SKIP_STEP and j == 0
+
+
 def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, y)
 
@@ -179,7 +196,9 @@ def train_reference(case: str, data: list, world: int, steps: int = STEPS, plain
     ref = make(case)
     opt = make_optimizer("adamw" if plain and case == "param_groups" else case, ref)
     for step, micro in enumerate(data[:steps]):
-        for x, y in micro:
+        for j, (x, y) in enumerate(micro):
+            if skips_micro(case, step, j) and not plain:
+                continue
             if case not in PER_RANK:
                 (loss_fn(ref(x), y) / ACCUM).backward()
                 continue
@@ -209,7 +228,15 @@ def check_sensitive(case: str, data: list, world: int, ref: Tiny) -> None:
     want = ref.state_dict()
     moved = max_diff(train_reference(case, data, world, steps=STEPS - 1).state_dict(), want)
     assert moved > 100 * TOL, f"{case}: the last step moves the parameters by only {moved:.3g}"
-    if case in ("skipped_step", "dropped_equal", "dropped_unequal", "param_groups", "batchnorm"):
+    if case in (
+        "skipped_step",
+        "dropped_equal",
+        "dropped_unequal",
+        "param_groups",
+        "batchnorm",
+        "forward_error",
+        "backward_error",
+    ):
         params = dict(ref.named_parameters())
         other = train_reference(case, data, world, plain=True)
         twist = max_diff(dict(other.named_parameters()), params)
@@ -252,7 +279,21 @@ def train_paro(case: str, code: str, data: list, groups: ParoGroups) -> ParoShar
                     # reductions went out, a hook at block 0's output raises
                     fails = case == "backward_error" and step == SKIP_STEP and j == ACCUM - 1
                     hook = inner.blocks[0].register_forward_hook(fail_in_backward) if fails else None
-                    loss = loss_fn(model(x[local], skip=skip_of(case, step, rank)), y[local]) / ACCUM
+                    if skips_micro(case, step, j):  # raises inside block 1, after its parameters were gathered
+                        raising = inner.blocks[1].fc2.register_forward_hook(fail_in_forward)
+                        try:
+                            model(x[local])
+                        except RuntimeError as e:
+                            assert "injected failure" in str(e), e
+                        else:
+                            raise AssertionError("the forward that should raise did not")
+                        finally:
+                            raising.remove()
+                        continue
+                    if case == "nested":  # as Lightning's _ForwardRedirection
+                        loss = redirected(model, inner, x[local], y[local], skip_of(case, step, rank)) / ACCUM
+                    else:
+                        loss = loss_fn(model(x[local], skip=skip_of(case, step, rank)), y[local]) / ACCUM
                     if hook is not None:
                         hook.remove()
                         try:
@@ -275,6 +316,25 @@ def train_paro(case: str, code: str, data: list, groups: ParoGroups) -> ParoShar
         calls = [b.calls for b in inner.blocks]
         assert calls == [2 * STEPS * ACCUM] * len(calls), f"{code} ({case}): blocks ran {calls} times"
     return model
+
+
+def fail_in_forward(module: nn.Module, args: object, out: torch.Tensor) -> None:
+    raise RuntimeError("injected failure in forward")
+
+
+def redirected(model: ParoShardedModule, inner: Tiny, x: torch.Tensor, y: torch.Tensor, skip: int | None) -> object:
+    """The wrapper's call runs ``training_step`` in place of the inner model's forward, as Lightning does."""
+    original = inner.forward
+
+    def forward(*args: object, **kwargs: object) -> torch.Tensor:
+        inner.forward = original  # training_step calls the real forward
+        return inner.training_step(x, y, skip)
+
+    inner.forward = forward
+    try:
+        return model(x)
+    finally:
+        inner.forward = original
 
 
 def fail_in_backward(module: nn.Module, args: object, out: torch.Tensor) -> None:
@@ -359,6 +419,9 @@ def main() -> None:
             x = data[0][0][0][rank * BATCH : (rank + 1) * BATCH]
             with torch.no_grad():
                 off = (model.predict(x) - ref(x)).abs().max().item()
+                off = max(off, (model.generate(x) - ref(x)).abs().max().item())
+            synced = model.module.synced_gpus
+            assert synced == (code[0] != "N"), f"{code}: generate got synced_gpus={synced}"
             if off >= TOL:
                 result = [f"{code} ({case}): the inner model called directly is {off:.3g} off the reference"]
         if case == "batchnorm" and result[0].startswith("ok "):  # the buffers go through a DCP checkpoint too

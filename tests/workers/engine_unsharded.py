@@ -2,8 +2,9 @@
 
 Usage: engine_unsharded.py (any world size). Six blocks, each its own unit; the peak number of units holding
 gathered parameters is the root, the unit computing and the one prefetched: 3, in forward and in backward; the
-same with frozen weights (LoRA-like: a frozen and a trainable buffer per unit) and with every other block frozen
-whole (frozen parameters have no gradient hook: they are freed when the unit's input gradients are complete).
+same, give or take one unit, with frozen weights (LoRA-like: a frozen and a trainable buffer per unit), with every
+other block frozen whole, and with blocks that modify their input in place (frozen parameters have no gradient
+hook: they are freed when the unit's input gradients are complete).
 """
 
 import torch
@@ -22,7 +23,11 @@ class Block(nn.Module):
         super().__init__()
         self.fc = nn.Linear(DIM, DIM)
 
+        self.inplace = False  # modifies its input in place first (ReLU(inplace=True) on it, say)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.inplace:
+            x = x.mul_(1.0)
         return x + torch.tanh(self.fc(x))
 
 
@@ -44,7 +49,8 @@ def peak(reentrant: bool | None, early_stop: bool, frozen: str = "") -> dict[str
     torch.manual_seed(0)
     stack = Stack(reentrant)
     for i, b in enumerate(stack.blocks):
-        if frozen == "weights":
+        b.inplace = frozen == "inplace"
+        if frozen in ("weights", "inplace"):
             b.fc.weight.requires_grad_(False)
         elif frozen == "blocks" and i % 2:
             b.requires_grad_(False)
@@ -61,13 +67,15 @@ def main() -> None:
     # the root, the unit computing and the ones gathered ahead by the cost model's rule (IssuePolicy)
     held = 2 + paro_torch._C.Strategy("GGG").gather_ahead
     assert plain == {"forward": held, "backward": held}, plain
-    for frozen in ("weights", "blocks"):
+    for frozen in ("weights", "blocks", "inplace"):
+        # a unit's frozen part waits for its input's gradient, which the unit before it is also hooked on: at
+        # most one unit more than with trainable parameters alone (before, every unit stayed gathered)
         got = peak(None, True, frozen)
-        assert got == plain, (frozen, got, plain)
+        assert got["forward"] == plain["forward"] and got["backward"] <= plain["backward"] + 1, (frozen, got, plain)
     for reentrant, early_stop in [(False, True), (False, False), (True, True)]:
         for frozen in ("", "weights"):
             got = peak(reentrant, early_stop, frozen)
-            assert got["backward"] <= plain["backward"], (reentrant, early_stop, frozen, got, plain)
+            assert got["backward"] <= plain["backward"] + bool(frozen), (reentrant, early_stop, frozen, got, plain)
             if dist.get_rank() == 0:
                 print(f"reentrant={reentrant} early_stop={early_stop} frozen={frozen or 'none'}: peak unsharded "
                       f"{got} (plain {plain})", flush=True)  # fmt: skip
