@@ -19,6 +19,7 @@ import logging
 import os
 import weakref
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_map_only
 
 from paro_torch import _C
 from paro_torch._agree import raise_together
@@ -486,7 +487,7 @@ class ParoShardedModule(nn.Module):
                 # frozen parameters have no gradient hook to free them after the unit's backward: free them
                 # once the gradients of the unit's inputs are complete (as FSDP2's post-backward); units whose
                 # inputs need no gradient are freed when backward ends
-                needs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+                needs = [t for t in _tensors((args, kwargs)) if t.requires_grad]
                 if needs:
                     torch.autograd.graph.register_multi_grad_hook(needs, lambda _: frozen_done(), mode="all")
             return args, kwargs
@@ -676,10 +677,16 @@ class ParoShardedModule(nn.Module):
         units before it: one unit ahead for p = I, G; all queued at once for p = N, where that costs no memory.
         The work is done by hooks on the wrapped module (see [Note: the root session]).
         """
+        with self._outermost_call():
+            return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _outermost_call(self) -> Iterator[None]:
+        """A call from outside the model: starts clean, and cleans up if it raises."""
         if self._root_depth:  # a direct call of the module raised before its end
             self._abort_forward()
         try:
-            return self.module(*args, **kwargs)
+            yield
         except BaseException:
             self._abort_forward()
             raise
@@ -736,7 +743,9 @@ class ParoShardedModule(nn.Module):
                 for f, handle in self._bwd_flags:
                     handle.result()
                     folded |= f
-                self._bwd_flags = [(folded, _Done(None))]
+                done: Future[None] = Future()
+                done.set_result(None)
+                self._bwd_flags = [(folded, done)]
         return out
 
     def _root_pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
@@ -775,15 +784,10 @@ class ParoShardedModule(nn.Module):
         """
         if self.strategy.p != N and self.groups.world > 1:
             kwargs.setdefault("synced_gpus", True)
-        if self._root_depth:  # a direct call of the module raised before its end
-            self._abort_forward()
-        self._root_enter()
-        try:
+        with self._outermost_call():
+            self._root_enter()
             out = generate(*args, **kwargs)
-        except BaseException:
-            self._abort_forward()
-            raise
-        self._root_exit(None)
+            self._root_exit(None)
         return out
 
     # ----------------------------------------------------------------------------------------- training API
@@ -1061,16 +1065,6 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
 
 def _optimizes(optimizer: torch.optim.Optimizer, master_ids: set[int]) -> bool:
     return any(id(p) in master_ids for group in optimizer.param_groups for p in group["params"])
-
-
-class _Done:
-    """A handle whose call has finished."""
-
-    def __init__(self, value: Any) -> None:
-        self._value = value
-
-    def result(self) -> Any:
-        return self._value
 
 
 def _tensors(x: Any) -> Iterator[torch.Tensor]:

@@ -34,13 +34,11 @@ def launch(
     between: then rank 0 fails with EADDRINUSE while the others wait for its store, and the launch is retried on
     another port (up to 3 times).
     """
-    for _ in range(2):
+    for _ in range(3):
         results = _launch_once(script, world, env, args, timeout)
         if results is not None:
             return results
-    results = _launch_once(script, world, env, args, timeout)
-    assert results is not None, f"{script}: rank 0 found its rendezvous port taken 3 times in a row"
-    return results
+    raise AssertionError(f"{script}: rank 0 found its rendezvous port taken 3 times in a row")
 
 
 def _launch_once(
