@@ -31,13 +31,16 @@ namespace paro {
 constexpr const char* kParoBackendName = "paro";
 
 class ParoBackend : public c10d::Backend {
+  struct Task;
+  struct Queue;
+
  public:
   // Work that completes when the backend's worker has run the whole plan. While torch.profiler records, it is an
   // async event named `title` ("paro:all_reduce") with the input tensors as inputs and the keyword input "seq".
   class ParoWork : public c10d::Work {
    public:
     ParoWork(int rank, c10d::OpType type, const char* title, const std::vector<at::Tensor>& inputs,
-             std::vector<at::Tensor> outputs, uint64_t seq);
+             std::vector<at::Tensor> outputs, uint64_t seq, std::weak_ptr<Queue> queue);
     bool isCompleted() override;
     bool isSuccess() const override;
     bool wait(std::chrono::milliseconds timeout) override;
@@ -49,6 +52,7 @@ class ParoBackend : public c10d::Backend {
     std::vector<at::Tensor> outputs_;
     c10::intrusive_ptr<c10::ivalue::Future> future_;
     uint64_t seq_;
+    std::weak_ptr<Queue> queue_;  // wait() drops the requests the worker has retired (see Queue::retired)
   };
 
   // Sub-backends for tensors on a device, [intra, inter, flat] as for the CPU (intra or inter may be empty, or
@@ -167,8 +171,6 @@ class ParoBackend : public c10d::Backend {
   void each_device_backend(const std::function<void(c10d::Backend&)>& fn);
   // The sub-backend for a point-to-point operation on `tensors`.
   c10d::Backend& p2p(const std::vector<at::Tensor>& tensors, const char* op);
-  struct Task;
-  struct Queue;
   // The device's sub-backends and streams, made on first use; a group's device tensors must share one device.
   Device& device(const c10::Device& d);
   c10::intrusive_ptr<c10d::Work> run_on_device(Device& dev, c10d::OpType type, const char* title, uint64_t seq,

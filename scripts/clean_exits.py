@@ -41,6 +41,7 @@ CASES: dict[str, tuple[str, tuple[str, ...]]] = {
     "hsdp": ("frameworks.py", ("hsdp",)),
     "no_destroy": ("no_destroy.py", ()),
     "deepspeed_zero3": ("deepspeed_zero3.py", ()),
+    "tensor_lifetimes": ("tensor_lifetimes.py", ()),
 }
 EXTRA_ENV = {"engine_meta_memory": {"MALLOC_MMAP_THRESHOLD_": "131072"}}  # as tests/test_engine_paths.py runs it
 

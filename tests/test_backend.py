@@ -44,6 +44,12 @@ def test_a_script_without_destroy_process_group_exits_cleanly() -> None:
     assert "done without destroy_process_group" in out, out
 
 
+def test_the_worker_thread_never_frees_a_callers_tensor() -> None:
+    """The cause of the exit abort (issue #14): a tensor freed on the worker while the interpreter exits."""
+    out = assert_ok(launch("tensor_lifetimes.py", 4, env={"PARO_GROUP_SIZE": "2"}))
+    assert "all freed on the main thread" in out, out
+
+
 def test_frameworks_on_four_groups() -> None:
     assert_ok(launch("frameworks.py", 8, env={"PARO_GROUP_SIZE": "2"}, args=("hsdp",)))
 
