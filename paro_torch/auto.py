@@ -50,8 +50,13 @@ class LinkCalibration:
     optimizer_params_per_s: float | None = None
     """Parameters an AdamW step updates per second on one rank (None: not measured)."""
     intra_overlap: float | None = None
-    """How well intra-group collectives run beside compute, 0 to 1 (None: not measured, taken as 1: for free)."""
+    """How well compute runs beside intra-group collectives, 0 to 1 (None: not measured, taken as 1: unslowed);
+    see ``Overlap``."""
     inter_overlap: float | None = None
+    """The same for inter-group collectives."""
+    intra_slowdown: float | None = None
+    """How much slower intra-group collectives run beside compute, at least 1 (None: not measured, taken as 1)."""
+    inter_slowdown: float | None = None
     """The same for inter-group collectives."""
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -167,6 +172,35 @@ def measure_throughputs(
     return flops_per_s, params / _mean_seconds(opt_step, repeats, group)
 
 
+@dataclass(frozen=True)
+class Overlap:
+    """How a level's collectives and compute share a rank when they run at once (the cost model's rate model).
+
+    While both run, a collective progresses at ``1 / slowdown`` of its speed alone, and compute loses
+    ``1 - fraction`` seconds per second of the collective's work alone: 1 and 1 on a GPU (copy engines and NICs),
+    less on ranks whose collectives run on the CPU cores their compute needs.
+    """
+
+    fraction: float
+    slowdown: float
+
+
+def _rates(compute: float, gathers: float, compute_beside: float, gathers_beside: float) -> Overlap:
+    """The rate model solved for a compute loop and a gather loop timed alone and started together.
+
+    ``compute_beside`` and ``gathers_beside`` are each loop's own elapsed time when they ran at once. The loop that
+    ends first ran beside the other all along; the other ran alone for the rest of its time.
+    """
+    if gathers_beside <= compute_beside:  # the gathers ran beside compute all along
+        slowdown = gathers_beside / gathers
+        work_beside = gathers
+    else:  # compute ended first: the gathers did the rest of their work alone, at full speed
+        work_beside = max(gathers - (gathers_beside - compute_beside), 1e-3 * gathers)
+        slowdown = compute_beside / work_beside
+    lost = (compute_beside - compute) / work_beside
+    return Overlap(fraction=min(max(1.0 - lost, 0.0), 1.0), slowdown=min(max(slowdown, 1.0), 100.0))
+
+
 def measure_overlap(
     device: torch.device,
     group: dist.ProcessGroup,
@@ -175,16 +209,14 @@ def measure_overlap(
     loop_s: float = 0.1,
     trials: int = 3,
     align: dist.ProcessGroup | None = None,
-) -> float:
-    """How well communication runs beside compute on this rank: the cost model's ``overlap``, from 0 to 1.
+) -> Overlap:
+    """How communication over ``group`` and compute share this rank when they run at once (see ``Overlap``).
 
     Times a loop of compute steps (``step``, default an MLP block's forward and backward) alone (at least
-    ``loop_s``: shorter loops are mostly scheduling noise), a loop of
-    all-gathers over ``group`` that takes about as long, and both at once (the gathers on a thread, as the engine
-    issues them); the fraction of the shorter loop that disappears when they run together.
-    1: collectives cost compute nothing (a GPU's copy engines and NICs); 0: they take their whole time from it
-    (ranks whose collectives run on the CPU cores their compute needs). The median of ``trials``; every loop
-    starts after a barrier on ``align`` (default ``group``), so that ranks sharing a machine run the same loop.
+    ``loop_s``: shorter loops are mostly scheduling noise), a loop of all-gathers over ``group`` that takes about as
+    long, and both at once (the gathers on a thread, as the engine issues them), each loop's own elapsed time; the
+    median of ``trials`` of each figure. Every loop starts after a barrier on ``align`` (default ``group``), so that
+    ranks sharing a machine run the same loop.
     """
     sync = _sync(device)
     layer_step = step if step is not None else _mlp_step(device)[0]
@@ -208,23 +240,33 @@ def measure_overlap(
         fn()
         return time.perf_counter() - start
 
-    def both() -> None:
-        thread = threading.Thread(target=gathers, name="paro-probe-gathers")
+    def both() -> tuple[float, float]:
+        """(compute's, the gathers') own elapsed seconds, started together."""
+        gathers_s: list[float] = []
+
+        def timed_gathers() -> None:
+            gathers()
+            gathers_s.append(time.perf_counter() - start)
+
+        dist.barrier(group=align or group)
+        start = time.perf_counter()
+        thread = threading.Thread(target=timed_gathers, name="paro-probe-gathers")
         thread.start()
         computes()
+        compute_s = time.perf_counter() - start
         thread.join()
+        return compute_s, gathers_s[0]
 
     one_gather, one_step = timed(gathers), timed(computes)  # also the warm-up
     repeats = min(max(round(loop_s / max(one_step, 1e-9)), 1), 64)
     n = torch.tensor([repeats, min(max(round(repeats * one_step / max(one_gather, 1e-9)), 1), 256)], device=device)
     dist.all_reduce(n, op=dist.ReduceOp.MAX, group=align or group)  # the same loops everywhere
     repeats, gathers_per_loop = int(n[0]), int(n[1])
-    fractions = []
+    runs = []
     for _ in range(trials):
-        alone_compute, alone_gathers, together = timed(computes), timed(gathers), timed(both)
-        hidden = alone_compute + alone_gathers - together
-        fractions.append(min(max(hidden / min(alone_compute, alone_gathers), 0.0), 1.0))
-    return sorted(fractions)[len(fractions) // 2]
+        runs.append(_rates(timed(computes), timed(gathers), *both()))
+    median = len(runs) // 2
+    return Overlap(fraction=sorted(r.fraction for r in runs)[median], slowdown=sorted(r.slowdown for r in runs)[median])
 
 
 def measure_links(
@@ -258,24 +300,24 @@ def measure_links(
     )
     if not throughputs:
         return links
-    overlap = _overlaps(groups, device)
     return dataclasses.replace(
         links,
         compute_flops=float(-t[4]),
         compute_probe="mlp block",
         optimizer_params_per_s=float(-t[5]),
-        intra_overlap=overlap[0],
-        inter_overlap=overlap[1],
+        **_overlaps(groups, device),
     )
 
 
-def _overlaps(groups: ParoGroups, device: torch.device, step: Any = None) -> tuple[float, float]:
-    """``measure_overlap`` of the intra and the inter level (1 for a level of one rank), the ranks' mean."""
-    overlap = [measure_overlap(device, pg, step, align=groups.whole) if pg is not None else 1.0
-               for pg in (groups.intra, groups.inter)]  # fmt: skip
-    t = torch.tensor(overlap, dtype=torch.float64, device=device)
+def _overlaps(groups: ParoGroups, device: torch.device, step: Any = None) -> dict[str, float]:
+    """``measure_overlap`` of both levels as ``LinkCalibration`` fields: the ranks' mean, 1 for a level of one rank."""
+    found = [measure_overlap(device, pg, step, align=groups.whole) if pg is not None else Overlap(1.0, 1.0)
+             for pg in (groups.intra, groups.inter)]  # fmt: skip
+    t = torch.tensor([x for o in found for x in (o.fraction, o.slowdown)], dtype=torch.float64, device=device)
     dist.all_reduce(t, group=groups.whole)  # the ranks' mean: a noisy figure, not a bound
-    return float(t[0]) / groups.world, float(t[1]) / groups.world
+    t /= groups.world
+    return {"intra_overlap": float(t[0]), "intra_slowdown": float(t[1]),
+            "inter_overlap": float(t[2]), "inter_slowdown": float(t[3])}  # fmt: skip
 
 
 def calibrate(
@@ -343,7 +385,7 @@ def probe_model(
 
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         seconds = [_mean_seconds(step, repeats, groups.whole)]
-        overlap = _overlaps(groups, device, step)
+        overlaps = _overlaps(groups, device, step)
     for p, g in zip(params, grads, strict=True):
         p.grad = g
     with torch.no_grad():
@@ -365,8 +407,7 @@ def probe_model(
         compute_flops=flops / float(t[0]),
         compute_probe="model",
         optimizer_params_per_s=1 / float(t[1]) if shapes else links.optimizer_params_per_s,
-        intra_overlap=overlap[0],
-        inter_overlap=overlap[1],
+        **overlaps,
     )
 
 
@@ -388,7 +429,7 @@ def _request(
         "inter_latency": links.inter_latency,
         "memory_bytes": memory_budget,
     }
-    for name in ("optimizer_params_per_s", "intra_overlap", "inter_overlap"):
+    for name in ("optimizer_params_per_s", "intra_overlap", "inter_overlap", "intra_slowdown", "inter_slowdown"):
         if getattr(links, name) is not None:
             cluster[name] = getattr(links, name)
     training = dict(training)

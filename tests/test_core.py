@@ -78,3 +78,27 @@ def test_plan_bytes_for_a_ring_all_gather() -> None:
     intra = sum(s["bytes"] for s in plan["steps"] if s["level"] == "intra")
     s = 8 * 16 * 4
     assert (inter, intra) == (s // 2 // 4, 3 * s // 4)
+
+
+@pytest.mark.parametrize(
+    "loops,slowdown,fraction",
+    [
+        # compute (1 s alone) ends first, at 4/3 s (0.75 of its speed beside the gathers); the gathers did 2/3 s of
+        # their work beside it at half speed, the last 1/3 alone: 5/3 s
+        ((1.0, 1.0, 4 / 3, 5 / 3), 2.0, 0.5),
+        # the gathers (1 s alone) end first, at 2 s; compute did 1.5 of its 2 s beside them, the rest alone
+        ((2.0, 1.0, 2.5, 2.0), 2.0, 0.5),
+        # no effect either way
+        ((1.0, 1.0, 1.0, 1.0), 1.0, 1.0),
+    ],
+)
+def test_overlap_probe_solves_the_cost_models_rate_model(
+    loops: tuple[float, float, float, float], slowdown: float, fraction: float
+) -> None:
+    """The probe's loops, timed as the rate model of rust/paro-core/src/cost/schedule.rs runs them, give back its
+    figures: collectives at 1 / slowdown beside compute, compute losing 1 - fraction per second of their work."""
+    from paro_torch.auto import _rates
+
+    got = _rates(*loops)
+    assert got.slowdown == pytest.approx(slowdown, abs=1e-12)
+    assert got.fraction == pytest.approx(fraction, abs=1e-12)

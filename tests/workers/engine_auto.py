@@ -115,6 +115,7 @@ def main() -> None:
     got = only_model.links
     assert got is not None and got.compute_probe == "model" and got.compute_flops, got
     assert got.optimizer_params_per_s and got.intra_overlap is not None and got.inter_overlap is not None, got
+    assert got.intra_slowdown is not None and got.intra_slowdown >= 1 and got.inter_slowdown >= 1, got
     assert measure_links(groups, large=1 << 16, repeats=1, throughputs=False).compute_flops is None
     try:  # the batch's tokens are needed to count its FLOPs: an error on every rank
         ParoShardedModule(make("plain"), "auto", process_groups=pgs, wrap_policy={Block}, calibration=saved,

@@ -93,6 +93,8 @@ impl GpuPreset {
             optimizer_params_per_s: Some(self.memory_bandwidth / OPTIMIZER_BYTES_PER_PARAM),
             intra_overlap: None,
             inter_overlap: None,
+            intra_slowdown: None,
+            inter_slowdown: None,
         })
     }
 }

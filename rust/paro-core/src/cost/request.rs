@@ -61,16 +61,23 @@ pub struct Cluster {
     /// Parameters the optimizer updates per second on one rank (measured). Without it the step is free.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub optimizer_params_per_s: Option<f64>,
-    /// How well intra-group communication runs beside compute, in [0, 1]: 1 (the default) leaves compute as fast
-    /// as alone (a GPU's copy engines and NVLink); 0 slows it by all the time the communication ran beside it
-    /// (collectives that run on the CPU cores the compute needs, e.g. Gloo over loopback). Measured by the probe
-    /// (`paro_torch.auto`): how much of the shorter of a compute loop and an all-gather loop disappears when the
-    /// two run at once.
+    /// How well compute runs beside intra-group communication, in [0, 1]: compute loses `1 - intra_overlap`
+    /// seconds per second of the collective's work (its time alone) done beside it. 1 (the default) leaves compute
+    /// as fast as alone (a GPU's copy engines and NVLink); 0 stops it while communication runs (collectives on the
+    /// CPU cores the compute needs, e.g. Gloo over loopback). Measured by the probe (`paro_torch.auto`): a compute
+    /// loop and an all-gather loop timed alone and at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub intra_overlap: Option<f64>,
     /// See `intra_overlap`, for inter-group communication.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub inter_overlap: Option<f64>,
+    /// How much slower an intra-group collective runs while compute runs beside it, at least 1 (the default: as
+    /// fast as alone). Measured by the same probe as `intra_overlap`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub intra_slowdown: Option<f64>,
+    /// See `intra_slowdown`, for inter-group communication.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inter_slowdown: Option<f64>,
 }
 
 /// How the model is trained.
@@ -167,6 +174,13 @@ pub(super) fn validate_cluster(c: &Cluster) -> Result<()> {
         if let Some(v) = v {
             if !(0.0..=1.0).contains(&v) {
                 return Err(ParoError::Invalid(format!("{name} {v} must be a fraction from 0 to 1, or absent")));
+            }
+        }
+    }
+    for (name, v) in [("intra_slowdown", c.intra_slowdown), ("inter_slowdown", c.inter_slowdown)] {
+        if let Some(v) = v {
+            if !(v.is_finite() && v >= 1.0) {
+                return Err(ParoError::Invalid(format!("{name} {v} must be a factor of at least 1, or absent")));
             }
         }
     }

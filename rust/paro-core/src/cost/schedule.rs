@@ -8,6 +8,11 @@
 //! before its first gather of the next step, after the optimizer step, so it hides only behind the forward of
 //! earlier units. Collectives queue on their level's links in issue order (an intra-group and an inter-group
 //! call run at once; a global call holds both); compute waits only for what it needs.
+//!
+//! Where collectives and compute share a rank's cores (`Cluster::intra_overlap`, `intra_slowdown` and their
+//! inter-group twins), the simulation runs them at rates: while compute runs, a collective progresses at
+//! 1 / slowdown of its speed alone, and compute loses (1 − overlap) seconds per second of collective work done
+//! beside it. With both figures 1 (GPUs; the default) every task runs at full speed.
 
 use serde::{Deserialize, Serialize};
 
@@ -54,58 +59,148 @@ pub struct StepTime {
     pub exposed_inter_s: f64,
     /// See `exposed_intra_s` (global collectives use both levels' links).
     pub exposed_global_s: f64,
-    /// What communication running beside compute costs compute: the share of communication time compute did not
-    /// wait for, times each level's time weighted by (1 − that level's overlap); 0 when both overlaps are 1.
+    /// How much longer compute ran because collectives ran beside it (the rate model above); 0 when both
+    /// overlaps are 1.
     #[serde(default)]
     pub interference_s: f64,
     /// The whole step, seconds.
     pub step_s: f64,
 }
 
-/// The compute stream and the two levels' links, each running its work in issue order.
+/// One piece of a step's work: compute (slot 0) or a collective on the intra links (1), the inter links (2) or both.
+struct Task {
+    slots: &'static [usize],
+    /// Seconds alone.
+    work: f64,
+    deps: Vec<usize>,
+    level: Option<Level>,
+    /// A collective's: compute seconds lost per second of its work done beside compute, and its slowdown there.
+    cost: f64,
+    slowdown: f64,
+}
+
+/// The compute stream and the two levels' links, each running its work in issue order; tasks are recorded as the
+/// engine issues them and simulated at the end (`finish`).
 #[derive(Default)]
 struct Sim {
-    finish: Vec<f64>,
-    level: Vec<Option<Level>>,
-    /// When the compute stream, the intra links and the inter links are next free.
-    free: [f64; 3],
-    time: StepTime,
-    /// Seconds of every collective run, summed.
-    communication_s: f64,
-    /// The same, each level's part weighted by (1 − its overlap): what the collectives would take from compute if
-    /// they all ran beside it.
-    interference_s: f64,
+    tasks: Vec<Task>,
 }
 
 impl Sim {
-    /// Runs `seconds` of work on `slots` once `deps` have finished; returns its index.
-    fn run(&mut self, slots: &[usize], seconds: f64, deps: &[Option<usize>], level: Option<Level>) -> usize {
-        let deps: Vec<usize> = deps.iter().flatten().copied().collect();
-        let ready = deps.iter().map(|&d| self.finish[d]).fold(0.0, f64::max);
-        let free = slots.iter().map(|&r| self.free[r]).fold(0.0, f64::max);
-        let start = ready.max(free);
-        if slots == [0] && ready > free {
-            // compute idles until its last dependency ends: the communication it waited on is exposed
-            let critical = deps.iter().copied().max_by(|&a, &b| self.finish[a].total_cmp(&self.finish[b]));
-            let waited = ready - free;
-            match critical.and_then(|d| self.level[d]) {
-                Some(Level::Intra) => self.time.exposed_intra_s += waited,
-                Some(Level::Inter) => self.time.exposed_inter_s += waited,
-                Some(Level::Global) => self.time.exposed_global_s += waited,
-                None => {}
-            }
-        }
-        let end = start + seconds;
-        for &r in slots {
-            self.free[r] = end;
-        }
-        self.finish.push(end);
-        self.level.push(level);
-        self.finish.len() - 1
+    /// Records `seconds` of work on `slots`, to start once `deps` have finished; returns its index.
+    fn run(&mut self, slots: &'static [usize], seconds: f64, deps: &[Option<usize>], level: Option<Level>) -> usize {
+        let deps = deps.iter().flatten().copied().collect();
+        self.tasks.push(Task { slots, work: seconds, deps, level, cost: 0.0, slowdown: 1.0 });
+        self.tasks.len() - 1
     }
 
     fn compute(&mut self, seconds: f64, deps: &[Option<usize>]) -> usize {
         self.run(&[0], seconds, deps, None)
+    }
+
+    /// Runs every task: each slot takes its tasks in issue order, a task starts when its slots are free and its
+    /// dependencies have finished, and runs at the rates of the module's rate model. Returns the step's
+    /// exposed communication by level and interference (in `StepTime`) and when the compute stream ends.
+    fn finish(&self) -> (StepTime, f64) {
+        let tasks = &self.tasks;
+        let mut queues: [std::collections::VecDeque<usize>; 3] = Default::default();
+        for (i, t) in tasks.iter().enumerate() {
+            for &r in t.slots {
+                queues[r].push_back(i);
+            }
+        }
+        let mut finish = vec![f64::INFINITY; tasks.len()];
+        let mut left: Vec<f64> = tasks.iter().map(|t| t.work).collect();
+        let mut active: Vec<usize> = Vec::new();
+        let mut time = StepTime::default();
+        let (mut now, mut compute_free, mut compute_walls) = (0.0_f64, 0.0_f64, 0.0_f64);
+        let mut started = vec![0.0_f64; tasks.len()];
+        loop {
+            // start what may start; tasks with no work end at once, which may let others start
+            let mut changed = true;
+            while changed {
+                changed = false;
+                for r in 0..3 {
+                    let Some(&i) = queues[r].front() else { continue };
+                    let t = &tasks[i];
+                    let at_front = t.slots.iter().all(|&q| queues[q].front() == Some(&i));
+                    if active.contains(&i) || !at_front || t.deps.iter().any(|&d| finish[d] > now) {
+                        continue;
+                    }
+                    if t.slots == [0] && now > compute_free {
+                        // compute idled until its last dependency ended: the communication it waited on is exposed
+                        let critical = t.deps.iter().copied().max_by(|&a, &b| finish[a].total_cmp(&finish[b]));
+                        let waited = now - compute_free;
+                        match critical.and_then(|d| tasks[d].level) {
+                            Some(Level::Intra) => time.exposed_intra_s += waited,
+                            Some(Level::Inter) => time.exposed_inter_s += waited,
+                            Some(Level::Global) => time.exposed_global_s += waited,
+                            None => {}
+                        }
+                    }
+                    started[i] = now;
+                    active.push(i);
+                    changed = true;
+                }
+                for i in active.iter().copied().filter(|&i| left[i] <= 0.0).collect::<Vec<_>>() {
+                    self.end(i, now, &mut finish, &mut queues, &mut active);
+                    if tasks[i].slots == [0] {
+                        compute_free = now;
+                        compute_walls += now - started[i];
+                    }
+                    changed = true;
+                }
+            }
+            if active.is_empty() {
+                break;
+            }
+            // rates while this set runs
+            let computing = active.iter().any(|&i| tasks[i].slots == [0]);
+            let rate = |i: usize| {
+                let t = &tasks[i];
+                if t.slots != [0] {
+                    return if computing { 1.0 / t.slowdown } else { 1.0 };
+                }
+                let lost: f64 =
+                    active.iter().filter(|&&c| tasks[c].slots != [0]).map(|&c| tasks[c].cost / tasks[c].slowdown).sum();
+                (1.0 - lost).max(0.0)
+            };
+            let rates: Vec<f64> = active.iter().map(|&i| rate(i)).collect();
+            let dt = active
+                .iter()
+                .zip(&rates)
+                .filter(|(_, &r)| r > 0.0)
+                .map(|(&i, &r)| left[i] / r)
+                .fold(f64::INFINITY, f64::min);
+            now += dt;
+            for (&i, &r) in active.iter().zip(&rates) {
+                if r > 0.0 && left[i] / r <= dt * (1.0 + 1e-12) {
+                    left[i] = 0.0;
+                } else {
+                    left[i] -= r * dt;
+                }
+            }
+        }
+        debug_assert!(finish.iter().all(|f| f.is_finite()), "a task never started: a dependency cycle");
+        let compute_work: f64 = tasks.iter().filter(|t| t.slots == [0]).map(|t| t.work).sum();
+        time.interference_s = (compute_walls - compute_work).max(0.0);
+        (time, compute_free)
+    }
+
+    /// Ends task `i` at `now`: frees its slots for the next task in issue order.
+    fn end(
+        &self,
+        i: usize,
+        now: f64,
+        finish: &mut [f64],
+        queues: &mut [std::collections::VecDeque<usize>; 3],
+        active: &mut Vec<usize>,
+    ) {
+        finish[i] = now;
+        for &r in self.tasks[i].slots {
+            queues[r].pop_front();
+        }
+        active.retain(|&a| a != i);
     }
 }
 
@@ -122,18 +217,26 @@ impl Context<'_> {
         let chain = |sim: &mut Sim, list: &[Call], first: Option<usize>, memory: Option<usize>| {
             let mut last = first;
             for c in list {
-                let slots: &[usize] = match c.level {
+                let slots: &'static [usize] = match c.level {
                     Level::Intra => &[1],
                     Level::Inter => &[2],
                     Level::Global => &[1, 2],
                 };
                 let seconds = self.call_seconds(c);
-                last = Some(sim.run(slots, seconds, &[last, memory], Some(c.level)));
-                sim.communication_s += seconds;
+                let task = sim.run(slots, seconds, &[last, memory], Some(c.level));
                 let (intra, inter) = self.level_seconds(&c.traffic);
                 let cluster = &self.req.cluster;
-                sim.interference_s += (1.0 - cluster.intra_overlap.unwrap_or(1.0)) * intra
-                    + (1.0 - cluster.inter_overlap.unwrap_or(1.0)) * inter;
+                let (lost, slower) = if seconds > 0.0 {
+                    let lost = (1.0 - cluster.intra_overlap.unwrap_or(1.0)) * intra
+                        + (1.0 - cluster.inter_overlap.unwrap_or(1.0)) * inter;
+                    let slower =
+                        cluster.intra_slowdown.unwrap_or(1.0) * intra + cluster.inter_slowdown.unwrap_or(1.0) * inter;
+                    (lost / seconds, slower / (intra + inter))
+                } else {
+                    (0.0, 1.0)
+                };
+                (sim.tasks[task].cost, sim.tasks[task].slowdown) = (lost, slower);
+                last = Some(task);
             }
             last
         };
@@ -184,16 +287,10 @@ impl Context<'_> {
         let shard: u64 = self.sizes(s).iter().map(|&(tr, _)| tr).sum::<u64>() / self.degree(s.os);
         let optimizer_s = self.optimizer_seconds(shard);
         sim.compute(optimizer_s, &boundary);
-        let mut time = sim.time;
+        let (mut time, end) = sim.finish();
         time.optimizer_s = optimizer_s;
         time.compute_s = flops.iter().map(|f| self.compute_seconds(f.forward + f.backward)).sum::<f64>() * accum as f64;
-        if time.compute_s > 0.0 && sim.communication_s > 0.0 {
-            // only communication that ran beside compute slows it; without compute nothing did
-            let exposed = time.exposed_intra_s + time.exposed_inter_s + time.exposed_global_s;
-            let beside = (sim.communication_s - exposed).max(0.0) / sim.communication_s;
-            time.interference_s = beside * sim.interference_s;
-        }
-        time.step_s = sim.free[0] + time.interference_s;
+        time.step_s = end;
         Ok(time)
     }
 }

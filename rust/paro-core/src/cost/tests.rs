@@ -25,6 +25,8 @@ fn cluster(world: usize) -> Cluster {
         optimizer_params_per_s: None,
         intra_overlap: None,
         inter_overlap: None,
+        intra_slowdown: None,
+        inter_slowdown: None,
     }
 }
 
@@ -148,6 +150,8 @@ fn exact_bytes_and_time_of_one_iig_step() {
             optimizer_params_per_s: None,
             intra_overlap: None,
             inter_overlap: None,
+            intra_slowdown: None,
+            inter_slowdown: None,
         },
     );
     req.training.grad_accum = 3;
@@ -353,6 +357,8 @@ fn the_schedule_of_a_ddp_step_by_hand() {
         optimizer_params_per_s: Some(1.0),
         intra_overlap: None,
         inter_overlap: None,
+        intra_slowdown: None,
+        inter_slowdown: None,
     };
     let mut req = request(blocks(&[(10, 10), (10, 10)]), None, cluster);
     req.strategies = Some(vec!["NNN".into()]);
@@ -374,6 +380,23 @@ fn the_schedule_of_a_ddp_step_by_hand() {
         let t = find(&estimate(&req).unwrap(), "NNN").step;
         assert_eq!((t.interference_s, t.step_s), (interference, 280.0 + interference));
     }
+    // collectives that slow down beside compute (A = 1): at slowdown 3 unit 1's all-reduce does 40/3 s of its
+    // work beside the backward of unit 0 (80–120), the rest alone (to 126.67); unit 0's follows (to 146.67), then
+    // the optimizer. With slowdown 2 and overlap 0.5 the all-reduce runs 80–120 at half speed and compute at
+    // 1 − 0.5 · 1/2 = 0.75 of its speed: unit 0's backward ends at 130 (interference 10), its all-reduce at 150.
+    req.training.grad_accum = 1;
+    for (slowdown, overlap, step, exposed, interference) in
+        [(3.0, 1.0, 500.0 / 3.0, 80.0 / 3.0, 0.0), (2.0, 0.5, 170.0, 20.0, 10.0)]
+    {
+        (req.cluster.intra_slowdown, req.cluster.intra_overlap) = (Some(slowdown), Some(overlap));
+        let t = find(&estimate(&req).unwrap(), "NNN").step;
+        let got = [t.step_s, t.exposed_global_s, t.interference_s, t.compute_s + t.optimizer_s];
+        let want = [step, exposed, interference, 140.0];
+        assert!(got.iter().zip(want).all(|(g, w)| (g - w).abs() < 1e-9), "slowdown {slowdown}: {t:?}");
+    }
+    req.cluster.intra_slowdown = Some(0.5);
+    assert!(estimate(&req).unwrap_err().to_string().contains("intra_slowdown 0.5 must be a factor of at least 1"));
+    req.cluster.intra_slowdown = None;
     req.cluster.inter_overlap = Some(1.5);
     assert!(estimate(&req).unwrap_err().to_string().contains("inter_overlap 1.5 must be a fraction"));
 }
