@@ -195,7 +195,9 @@ def _rates(compute: float, gathers: float, compute_beside: float, gathers_beside
         slowdown = gathers_beside / gathers
         work_beside = gathers
     else:  # compute ended first: the gathers did the rest of their work alone, at full speed
-        work_beside = max(gathers - (gathers_beside - compute_beside), 1e-3 * gathers)
+        # Below a tenth of the loop the work done beside compute is timing noise (8 ranks on 2 cores: the gathers
+        # all but stop while compute runs), and the figures divided by it would be too: they saturate there.
+        work_beside = max(gathers - (gathers_beside - compute_beside), 0.1 * gathers)
         slowdown = compute_beside / work_beside
     lost = (compute_beside - compute) / work_beside
     return Overlap(fraction=min(max(1.0 - lost, 0.0), 1.0), slowdown=min(max(slowdown, 1.0), 100.0))
