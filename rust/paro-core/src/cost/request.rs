@@ -65,7 +65,7 @@ pub struct Cluster {
     /// seconds per second of the collective's work (its time alone) done beside it. 1 (the default) leaves compute
     /// as fast as alone (a GPU's copy engines and NVLink); 0 stops it while communication runs (collectives on the
     /// CPU cores the compute needs, e.g. Gloo over loopback). Measured by the probe (`paro_torch.auto`): a compute
-    /// loop and an all-gather loop timed alone and at once.
+    /// loop and an all-gather loop timed alone and at once. A call on both levels costs their average by time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub intra_overlap: Option<f64>,
     /// See `intra_overlap`, for inter-group communication.

@@ -4,10 +4,11 @@
 //! unit's parameters are gathered before its forward and again before its backward; the engine prefetches the
 //! next unit's gather while the current one computes, with at most two units unsharded (the gather of unit u+1
 //! waits for the compute of unit u−1; [`IssuePolicy`], which the engine follows too). After a unit's backward
-//! its gradients are reduced (g ≠ N); at the last micro-step t_syncg follows. The optimizer step waits for every reduction. t_syncp of a unit runs right
-//! before its first gather of the next step, after the optimizer step, so it hides only behind the forward of
-//! earlier units. Collectives queue on their level's links in issue order (an intra-group and an inter-group
-//! call run at once; a global call holds both); compute waits only for what it needs.
+//! its gradients are reduced (g ≠ N); at the last micro-step t_syncg follows. The optimizer step waits for every
+//! reduction. t_syncp of a unit runs right before its first gather of the next step, after the optimizer step,
+//! so it hides only behind the forward of earlier units. Collectives queue on their level's links in issue order
+//! (an intra-group and an inter-group call run at once; a global call holds both); compute waits only for what it
+//! needs.
 //!
 //! Where collectives and compute share a rank's cores (`Cluster::intra_overlap`, `intra_slowdown` and their
 //! inter-group twins), the simulation runs them at rates: while compute runs, a collective progresses at
@@ -74,7 +75,8 @@ struct Task {
     work: f64,
     deps: Vec<usize>,
     level: Option<Level>,
-    /// A collective's: compute seconds lost per second of its work done beside compute, and its slowdown there.
+    /// A collective's: compute seconds lost per second of its work done beside compute (at most 1), and its
+    /// slowdown there.
     cost: f64,
     slowdown: f64,
 }
@@ -98,9 +100,10 @@ impl Sim {
         self.run(&[0], seconds, deps, None)
     }
 
-    /// Runs every task: each slot takes its tasks in issue order, a task starts when its slots are free and its
-    /// dependencies have finished, and runs at the rates of the module's rate model. Returns the step's
-    /// exposed communication by level and interference (in `StepTime`) and when the compute stream ends.
+    /// Runs every task: each slot takes its tasks in issue order, a task starts when it is first in each of its
+    /// slots' queues and its dependencies have finished, and runs at the rates of the module's rate model. Returns
+    /// the step's exposed communication by level and interference (in `StepTime`) and when the compute stream ends
+    /// (infinite when a task's work is).
     fn finish(&self) -> (StepTime, f64) {
         let tasks = &self.tasks;
         let mut queues: [std::collections::VecDeque<usize>; 3] = Default::default();
@@ -113,8 +116,9 @@ impl Sim {
         let mut left: Vec<f64> = tasks.iter().map(|t| t.work).collect();
         let mut active: Vec<usize> = Vec::new();
         let mut time = StepTime::default();
-        let (mut now, mut compute_free, mut compute_walls) = (0.0_f64, 0.0_f64, 0.0_f64);
-        let mut started = vec![0.0_f64; tasks.len()];
+        let (mut now, mut compute_free) = (0.0_f64, 0.0_f64);
+        // each task's dependencies before this index have finished (they stay finished)
+        let mut first_open = vec![0_usize; tasks.len()];
         loop {
             // start what may start; tasks with no work end at once, which may let others start
             let mut changed = true;
@@ -124,7 +128,10 @@ impl Sim {
                     let Some(&i) = queues[r].front() else { continue };
                     let t = &tasks[i];
                     let at_front = t.slots.iter().all(|&q| queues[q].front() == Some(&i));
-                    if active.contains(&i) || !at_front || t.deps.iter().any(|&d| finish[d] > now) {
+                    while first_open[i] < t.deps.len() && finish[t.deps[first_open[i]]] <= now {
+                        first_open[i] += 1;
+                    }
+                    if active.contains(&i) || !at_front || first_open[i] < t.deps.len() {
                         continue;
                     }
                     if t.slots == [0] && now > compute_free {
@@ -138,7 +145,6 @@ impl Sim {
                             None => {}
                         }
                     }
-                    started[i] = now;
                     active.push(i);
                     changed = true;
                 }
@@ -146,7 +152,6 @@ impl Sim {
                     self.end(i, now, &mut finish, &mut queues, &mut active);
                     if tasks[i].slots == [0] {
                         compute_free = now;
-                        compute_walls += now - started[i];
                     }
                     changed = true;
                 }
@@ -172,8 +177,14 @@ impl Sim {
                 .filter(|(_, &r)| r > 0.0)
                 .map(|(&i, &r)| left[i] / r)
                 .fold(f64::INFINITY, f64::min);
+            if !dt.is_finite() {
+                return (time, f64::INFINITY); // a task of infinite work (a vanishing bandwidth or throughput)
+            }
             now += dt;
             for (&i, &r) in active.iter().zip(&rates) {
+                if tasks[i].slots == [0] {
+                    time.interference_s += (1.0 - r) * dt; // the compute this interval did not do
+                }
                 if r > 0.0 && left[i] / r <= dt * (1.0 + 1e-12) {
                     left[i] = 0.0;
                 } else {
@@ -182,8 +193,6 @@ impl Sim {
             }
         }
         debug_assert!(finish.iter().all(|f| f.is_finite()), "a task never started: a dependency cycle");
-        let compute_work: f64 = tasks.iter().filter(|t| t.slots == [0]).map(|t| t.work).sum();
-        time.interference_s = (compute_walls - compute_work).max(0.0);
         (time, compute_free)
     }
 
@@ -224,18 +233,19 @@ impl Context<'_> {
                 };
                 let seconds = self.call_seconds(c);
                 let task = sim.run(slots, seconds, &[last, memory], Some(c.level));
+                // a call on both levels (pipelined or, for a flat call, timed on the inter level alone): its
+                // levels' slowdowns stretch their parts, and compute loses their overlaps' average by time
                 let (intra, inter) = self.level_seconds(&c.traffic);
                 let cluster = &self.req.cluster;
-                let (lost, slower) = if seconds > 0.0 {
-                    let lost = (1.0 - cluster.intra_overlap.unwrap_or(1.0)) * intra
-                        + (1.0 - cluster.inter_overlap.unwrap_or(1.0)) * inter;
-                    let slower =
-                        cluster.intra_slowdown.unwrap_or(1.0) * intra + cluster.inter_slowdown.unwrap_or(1.0) * inter;
-                    (lost / seconds, slower / (intra + inter))
-                } else {
-                    (0.0, 1.0)
-                };
-                (sim.tasks[task].cost, sim.tasks[task].slowdown) = (lost, slower);
+                if seconds > 0.0 {
+                    let (lost_intra, lost_inter) =
+                        (1.0 - cluster.intra_overlap.unwrap_or(1.0), 1.0 - cluster.inter_overlap.unwrap_or(1.0));
+                    let (slow_intra, slow_inter) =
+                        (cluster.intra_slowdown.unwrap_or(1.0), cluster.inter_slowdown.unwrap_or(1.0));
+                    let t = &mut sim.tasks[task];
+                    t.cost = (lost_intra * intra + lost_inter * inter) / (intra + inter);
+                    t.slowdown = self.pipelined(c, slow_intra * intra, slow_inter * inter) / seconds;
+                }
                 last = Some(task);
             }
             last

@@ -341,6 +341,28 @@ fn step_time_is_compute_plus_optimizer_plus_exposed_communication() {
 }
 
 #[test]
+fn shared_cores_slow_the_step_and_its_parts_still_add_up() {
+    // GPUs (overlaps and slowdowns 1): no interference at all; CPU-like figures, flat and hierarchical: every
+    // strategy's parts add up to its step, and the step is at least compute and optimizer
+    for algorithm in [CollectiveAlgorithm::Hierarchical, CollectiveAlgorithm::Flat] {
+        let cluster = GpuPreset::named("a100").unwrap().cluster(32, 8, 100.0, 0.5).unwrap();
+        let mut req = request(preset("llama-7b"), Some(Trainable::Fraction(1.0 / 16.0)), cluster);
+        (req.training.micro_batch, req.training.seq_len, req.collectives) = (2, 128, algorithm);
+        for e in &estimate(&req).unwrap().strategies {
+            assert_eq!(e.step.interference_s, 0.0, "{}", e.code);
+        }
+        (req.cluster.intra_overlap, req.cluster.inter_overlap) = (Some(0.1), Some(0.7));
+        (req.cluster.intra_slowdown, req.cluster.inter_slowdown) = (Some(3.0), Some(1.2));
+        for e in &estimate(&req).unwrap().strategies {
+            let t = &e.step;
+            let parts = t.compute_s + t.optimizer_s + t.exposed_intra_s + t.exposed_inter_s + t.exposed_global_s;
+            assert!((parts + t.interference_s - t.step_s).abs() <= 1e-9 * t.step_s, "{}: {t:?}", e.code);
+            assert!(t.step_s >= t.compute_s + t.optimizer_s && t.interference_s >= 0.0, "{}: {t:?}", e.code);
+        }
+    }
+}
+
+#[test]
 fn the_schedule_of_a_ddp_step_by_hand() {
     // 2 ranks in one group, two units of 10 parameters, 1 token per micro-step, 1 FLOP/s, 1 B/s, no latency,
     // 1 parameter/s for the optimizer, no recomputation. Forward 2·10 = 20 s, backward 2·10 + 2·10 = 40 s per

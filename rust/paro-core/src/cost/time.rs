@@ -30,6 +30,11 @@ impl Context<'_> {
     /// level's time plus one chunk of the faster one.
     pub(super) fn call_seconds(&self, c: &Call) -> f64 {
         let (a, b) = self.level_seconds(&c.traffic);
+        self.pipelined(c, a, b)
+    }
+
+    /// Seconds of call `c` whose intra-group part takes `a` seconds and inter-group part `b` (see `call_seconds`).
+    pub(super) fn pipelined(&self, c: &Call, a: f64, b: f64) -> f64 {
         if a == 0.0 || b == 0.0 || c.level != Level::Global {
             return a + b;
         }
