@@ -231,11 +231,11 @@ impl Context<'_> {
                     Level::Inter => &[2],
                     Level::Global => &[1, 2],
                 };
-                let seconds = self.call_seconds(c);
+                let (intra, inter) = self.level_seconds(&c.traffic);
+                let seconds = self.pipelined(c, intra, inter); // call_seconds, from the levels' parts
                 let task = sim.run(slots, seconds, &[last, memory], Some(c.level));
                 // a call on both levels (pipelined or, for a flat call, timed on the inter level alone): its
                 // levels' slowdowns stretch their parts, and compute loses their overlaps' average by time
-                let (intra, inter) = self.level_seconds(&c.traffic);
                 let cluster = &self.req.cluster;
                 if seconds > 0.0 {
                     let (lost_intra, lost_inter) =
