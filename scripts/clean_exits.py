@@ -3,16 +3,21 @@
     python scripts/clean_exits.py --runs 50            # every case below, 50 runs each
     python scripts/clean_exits.py --runs 10 --only fsdp2,no_destroy
 
-Each case is a worker of tests/workers that the suite expects to succeed, on 4 ranks as 2 groups of 2, with the
-arguments the suite gives it (the workers that must fail, such as dead_rank.py, are left out). Prints one table
-row per case: runs, failed runs, the exit codes seen ("hung": killed after 300 s), seconds; the last lines of
-every rank of a failed run go to stderr.
+Each case is a worker of tests/workers that the suite expects to exit 0, on 4 ranks as 2 groups of 2, with the
+arguments the suite gives it (the workers whose ranks must die, such as dead_rank.py and faults.py, are left out;
+engine_errors.py's ranks catch the bad input's error on every rank and exit 0). The workers the suite starts under
+torchrun (TORCHRUN_CASES) run under torchrun here too; their ranks' exit codes are torchrun's (0 when it exits 0,
+else those of its failure report). Prints one table row per case: runs, failed runs, the exit codes seen ("hung":
+killed after 300 s, 900 s under torchrun), seconds; the last lines of every rank of a failed run go to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
+import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -20,7 +25,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from launch import launch  # noqa: E402
+from launch import WORKERS, launch  # noqa: E402
 
 CASES: dict[str, tuple[str, tuple[str, ...]]] = {
     "collectives": ("collectives.py", ()),
@@ -42,8 +47,18 @@ CASES: dict[str, tuple[str, tuple[str, ...]]] = {
     "no_destroy": ("no_destroy.py", ()),
     "deepspeed_zero3": ("deepspeed_zero3.py", ()),
     "tensor_lifetimes": ("tensor_lifetimes.py", ()),
+    "engine_errors": ("engine_errors.py", ("disagree_model",)),
 }
-EXTRA_ENV = {"engine_meta_memory": {"MALLOC_MMAP_THRESHOLD_": "131072"}}  # as tests/test_engine_paths.py runs it
+# run as tests/test_backend.py, test_trainer.py and test_lightning.py run them; {tmp}: a fresh directory per run
+TORCHRUN_CASES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "entry_point": ("entry_point.py", ()),
+    "hf_trainer": ("hf_trainer.py", ("{tmp}", "full,resume,lora,auto,defaults")),
+    "lightning": ("lightning_worker.py", ("{tmp}", "train,resume,errors")),
+}
+EXTRA_ENV = {
+    "engine_meta_memory": {"MALLOC_MMAP_THRESHOLD_": "131072"},  # as tests/test_engine_paths.py runs it
+    "hf_trainer": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+}
 
 
 def main() -> None:
@@ -52,14 +67,15 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=50)
     parser.add_argument("--only", default="", help="comma-separated case names (default: all)")
     args = parser.parse_args()
-    names = [n for n in args.only.split(",") if n] or list(CASES)
-    unknown = [n for n in names if n not in CASES]
+    known = [*CASES, *TORCHRUN_CASES]
+    names = [n for n in args.only.split(",") if n] or known
+    unknown = [n for n in names if n not in known]
     if unknown:
-        parser.error(f"unknown case(s) {unknown}; choose from {list(CASES)}")
+        parser.error(f"unknown case(s) {unknown}; choose from {known}")
     print("| case | runs | failed runs | exit codes (rank x runs) | seconds |")
     print("|---|---|---|---|---|")
     for name in names:
-        script, wargs = CASES[name]
+        script, wargs = CASES.get(name) or TORCHRUN_CASES[name]
         if script == "deepspeed_zero3.py" and importlib.util.find_spec("deepspeed") is None:
             print(f"| {name} | skipped: deepspeed is not installed | | | |")
             continue
@@ -69,6 +85,13 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 run_args = tuple(a.replace("{tmp}", tmp) for a in wargs)
                 env = {"PARO_GROUP_SIZE": "2", **EXTRA_ENV.get(name, {})}
+                if name in TORCHRUN_CASES:
+                    run_codes, output = torchrun(script, run_args, env)
+                    codes.update(run_codes)
+                    if run_codes != [0] * 4:
+                        failed += 1
+                        print(f"{name}: exit codes {run_codes}:\n{output[-4000:]}", file=sys.stderr, flush=True)
+                    continue
                 try:
                     results = launch(script, 4, env=env, args=run_args, timeout=300)
                 except AssertionError as e:  # a hang: launch killed every rank
@@ -84,6 +107,24 @@ def main() -> None:
                     print(f"{name}: rank {r.rank} exit {r.returncode}:\n{tail}", file=sys.stderr, flush=True)
         seen = ", ".join(f"{c}: {k}" for c, k in sorted(codes.items(), key=lambda ck: str(ck[0])))
         print(f"| {name} | {args.runs} | {failed} | {seen} | {time.monotonic() - start:.0f} |", flush=True)
+
+
+def torchrun(script: str, args: tuple[str, ...], env: dict[str, str]) -> tuple[list[int | str], str]:
+    """Runs ``tests/workers/<script>`` under torchrun on 4 local ranks: (the ranks' exit codes, the output)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+    cmd += [str(WORKERS / script), *args]
+    e = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **env)
+    e.pop("LOCAL_WORLD_SIZE", None)
+    try:
+        done = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired as err:
+        return ["hung"] * 4, f"{err.stdout or ''}{err.stderr or ''}"
+    output = done.stdout + done.stderr
+    if done.returncode == 0:
+        return [0] * 4, output
+    # torchrun's failure report: one "exitcode : N (pid: ...)" per failed rank; the others count as 0
+    failed: list[int | str] = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", output)]
+    return (failed or [f"torchrun {done.returncode}"]) + [0] * (4 - max(len(failed), 1)), output
 
 
 if __name__ == "__main__":
