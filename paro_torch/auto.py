@@ -17,7 +17,6 @@ import dataclasses
 import json
 import logging
 import os
-import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -114,24 +113,15 @@ def _level(
     return bandwidth, t_small / steps
 
 
-def _median_seconds(fn: Any, repeats: int, group: dist.ProcessGroup | None, warmup: int = 3) -> float:
-    """Median seconds of one run of ``fn`` over ``repeats`` runs after ``warmup`` untimed ones.
-
-    Every rank of ``group`` starts the timed runs together, as ranks that share a machine run in training. The
-    first runs of a step in a fresh process are slower than the rest (the allocator's pools and the pages behind
-    them still grow: on the emulated cluster training's first measured step takes ~10 % longer than its third), so
-    they are left out, and the median keeps a run that the scheduler interrupted from counting.
-    """
-    for _ in range(warmup):
-        fn()
+def _mean_seconds(fn: Any, repeats: int, group: dist.ProcessGroup | None) -> float:
+    """Mean seconds of ``fn`` over ``repeats`` runs that start together on every rank of ``group``."""
+    fn()  # warm-up
     if group is not None:
         dist.barrier(group=group)
-    seconds = []
+    start = time.perf_counter()
     for _ in range(repeats):
-        start = time.perf_counter()
         fn()
-        seconds.append(time.perf_counter() - start)
-    return max(statistics.median(seconds), 1e-9)
+    return max((time.perf_counter() - start) / repeats, 1e-9)
 
 
 def _mlp_step(device: torch.device) -> tuple[Any, float]:
@@ -169,17 +159,17 @@ def _optimizer_step(shapes: list[tuple[int, ...]], device: torch.device) -> tupl
 
 
 def measure_throughputs(
-    device: torch.device, repeats: int = 5, group: dist.ProcessGroup | None = None
+    device: torch.device, repeats: int = 3, group: dist.ProcessGroup | None = None
 ) -> tuple[float, float]:
     """(FLOP/s of an MLP block's forward and backward, parameters/s of an AdamW step) on this rank.
 
     Ranks that share a machine share its cores or its GPU while they train, so every rank of ``group`` runs the
-    probe at the same time and the median of the runs counts, not the best one.
+    probe at the same time and the mean of the runs counts, not the best one.
     """
     layer_step, flops = _mlp_step(device)
-    flops_per_s = flops / _median_seconds(layer_step, repeats, group)
+    flops_per_s = flops / _mean_seconds(layer_step, repeats, group)
     opt_step, params = _optimizer_step([(1 << 20,)], device)
-    return flops_per_s, params / _median_seconds(opt_step, repeats, group)
+    return flops_per_s, params / _mean_seconds(opt_step, repeats, group)
 
 
 @dataclass(frozen=True)
@@ -363,7 +353,7 @@ def probe_model(
     example_inputs: Any,
     flops: float,
     device: torch.device,
-    repeats: int = 5,
+    repeats: int = 3,
     dtype: torch.dtype | None = None,
 ) -> LinkCalibration:
     """``links`` with the compute and optimizer throughputs and the overlaps measured on the model itself.
@@ -396,7 +386,7 @@ def probe_model(
         sync()
 
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        seconds = [_median_seconds(step, repeats, groups.whole)]
+        seconds = [_mean_seconds(step, repeats, groups.whole)]
         overlaps = _overlaps(groups, device, step)
     for p, g in zip(params, grads, strict=True):
         p.grad = g
@@ -411,7 +401,7 @@ def probe_model(
         total += p.numel()
     if shapes:
         opt_step, numel = _optimizer_step(shapes, device)
-        seconds.append(_median_seconds(opt_step, repeats, groups.whole) / numel)  # per parameter
+        seconds.append(_mean_seconds(opt_step, repeats, groups.whole) / numel)  # per parameter
     t = torch.tensor(seconds, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups.whole)
     return dataclasses.replace(

@@ -105,15 +105,3 @@ def test_overlap_probe_solves_the_cost_models_rate_model(
     got = _rates(*loops)
     assert got.slowdown == pytest.approx(slowdown, abs=1e-12)
     assert got.fraction == pytest.approx(fraction, abs=1e-12)
-
-
-def test_throughput_probe_leaves_out_warm_up_and_outliers() -> None:
-    """A step whose first runs are slow (a fresh process's allocator) and one of whose timed runs the scheduler
-    interrupted is timed at its steady speed: the warm-up runs are not timed, and the median drops the outlier."""
-    import time
-
-    from paro_torch.auto import _median_seconds
-
-    sleeps = iter([0.2, 0.2, 0.2, 0.02, 0.02, 0.3, 0.02, 0.02])
-    seconds = _median_seconds(lambda: time.sleep(next(sleeps)), repeats=5, group=None, warmup=3)
-    assert 0.02 <= seconds < 0.05  # the mean of all eight runs would be 0.1225 s, of the timed five 0.076 s
