@@ -277,13 +277,17 @@ def summarize(result: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
                 if first.get("memory_stats_per_rank"):
                     row["model_states_max"] = max(sum(m.values()) for m in first["memory_stats_per_rank"])
                 ex = first.get("extra") or {}
-                if "predicted" in ex:
+                if "predicted" in ex:  # each launch calibrates its own compute: the median over repeats
+                    predicted = [r["extra"]["predicted"] for r in ok if "predicted" in (r.get("extra") or {})]
+                    steps = [x["step"] for x in predicted if x.get("step")]
                     row["strategy"] = ex["strategy"]
-                    row["predicted_time_s"] = ex["predicted"]["time_s"]
-                    row["predicted_step"] = ex["predicted"].get("step")
+                    row["predicted_time_s"] = statistics.median(x["time_s"] for x in predicted)
+                    median_step = {k: statistics.median(s[k] for s in steps) for k in steps[0]} if steps else None
+                    row["predicted_step"] = median_step
                     row["predicted_inter_bytes"] = ex["predicted"]["inter_bytes_per_rank"] * cf["world"]
                 if "auto_choice" in ex:
-                    row["auto_choice"] = ex["auto_choice"]
+                    row["auto_choices"] = [r["extra"]["auto_choice"] for r in ok]
+                    row["auto_choice"] = max(row["auto_choices"], key=row["auto_choices"].count)
                     row["auto_reason"] = ex.get("auto_reason")
             rows.append(row)
         out[scenario] = rows
@@ -372,13 +376,15 @@ def prediction(rows: list[dict[str, Any]]) -> dict[str, Any]:
     if auto is not None:
         choice = auto.get("auto_choice")
         out["auto_choice"] = choice
+        out["auto_choices"] = auto.get("auto_choices", [choice])
         out["auto_step_s"] = auto["step_s"]
         out["auto_reason"] = auto.get("auto_reason")
         pick = next((t for t in table if t["strategy"] == choice), None)
         out["auto_choice_measured_rank"] = pick["measured_rank"] if pick else None
         out["auto_picked_fastest"] = (choice == out["fastest_measured"]) if pick else None
-        if pick and fastest:  # the pick's own explicit run against the fastest one
-            out["auto_pick_vs_fastest"] = pick["step_s"] / fastest["step_s"]
+        picks = [t for t in table if t["strategy"] in out["auto_choices"]]
+        if picks and fastest:  # the picks' own explicit runs against the fastest one (the slowest pick, if several)
+            out["auto_pick_vs_fastest"] = max(t["step_s"] for t in picks) / fastest["step_s"]
             out["auto_within_slack"] = out["auto_pick_vs_fastest"] <= 1 + AUTO_SLACK
     return out
 

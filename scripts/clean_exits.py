@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,7 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from launch import WORKERS, launch  # noqa: E402
+from launch import launch, torchrun  # noqa: E402
 
 CASES: dict[str, tuple[str, tuple[str, ...]]] = {
     "collectives": ("collectives.py", ()),
@@ -86,7 +84,7 @@ def main() -> None:
                 run_args = tuple(a.replace("{tmp}", tmp) for a in wargs)
                 env = {"PARO_GROUP_SIZE": "2", **EXTRA_ENV.get(name, {})}
                 if name in TORCHRUN_CASES:
-                    run_codes, output = torchrun(script, run_args, env)
+                    run_codes, output = torchrun_codes(script, run_args, env)
                     codes.update(run_codes)
                     if run_codes != [0] * 4:
                         failed += 1
@@ -109,22 +107,16 @@ def main() -> None:
         print(f"| {name} | {args.runs} | {failed} | {seen} | {time.monotonic() - start:.0f} |", flush=True)
 
 
-def torchrun(script: str, args: tuple[str, ...], env: dict[str, str]) -> tuple[list[int | str], str]:
+def torchrun_codes(script: str, args: tuple[str, ...], env: dict[str, str]) -> tuple[list[int | str], str]:
     """Runs ``tests/workers/<script>`` under torchrun on 4 local ranks: (the ranks' exit codes, the output)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
-    cmd += [str(WORKERS / script), *args]
-    e = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **env)
-    e.pop("LOCAL_WORLD_SIZE", None)
-    try:
-        done = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=900)
-    except subprocess.TimeoutExpired as err:
-        return ["hung"] * 4, f"{err.stdout or ''}{err.stderr or ''}"
-    output = done.stdout + done.stderr
-    if done.returncode == 0:
+    code, output = torchrun(script, args, env, timeout=900)
+    if code is None:
+        return ["hung"] * 4, output
+    if code == 0:
         return [0] * 4, output
     # torchrun's failure report: one "exitcode : N (pid: ...)" per failed rank; the others count as 0
     failed: list[int | str] = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", output)]
-    return (failed or [f"torchrun {done.returncode}"]) + [0] * (4 - max(len(failed), 1)), output
+    return (failed or [f"torchrun {code}"]) + [0] * (4 - max(len(failed), 1)), output
 
 
 if __name__ == "__main__":

@@ -96,21 +96,30 @@ def assert_ok(results: list[RankResult]) -> str:
     return results[0].output
 
 
+def torchrun(
+    script: str, args: tuple[str, ...] = (), env: dict[str, str] | None = None, timeout: float = 540
+) -> tuple[int | None, str]:
+    """Runs ``workers/<script> ARGS`` under torchrun on 4 local ranks: (its exit code, None if it hung; its output)."""
+    e = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
+    e.pop("LOCAL_WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+    cmd += [str(WORKERS / script), *args]
+    try:
+        done = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as err:  # its captured output is bytes even with text=True
+        said = [x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (err.stdout, err.stderr)]
+        return None, "".join(said)
+    return done.returncode, f"{done.stdout}\n{done.stderr}"
+
+
 def torchrun_checks(script: str, out: Path, checks: tuple[str, ...], env: dict[str, str], timeout: float = 540) -> str:
     """Runs ``workers/<script> OUT CHECK,...`` under torchrun on 4 local ranks; returns its exit line and output.
 
     For workers that run several checks in one launch (start-up dominates on 2 cores), each printing
     ``CHECK <name> ok: ...`` on rank 0 (read with ``assert_check``).
     """
-    e = dict(os.environ, PYTHONUNBUFFERED="1", **env)
-    e.pop("LOCAL_WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
-    cmd += [str(WORKERS / script), str(out), ",".join(checks)]
-    try:
-        done = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as err:
-        return f"torchrun hung for {err.timeout}s:\n{err.stdout or ''}{err.stderr or ''}"
-    return f"torchrun exited {done.returncode}\n{done.stdout}\n{done.stderr}"
+    code, output = torchrun(script, (str(out), ",".join(checks)), env, timeout)
+    return f"torchrun hung for {timeout}s:\n{output}" if code is None else f"torchrun exited {code}\n{output}"
 
 
 def rank0_errors(output: str) -> str:

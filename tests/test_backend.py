@@ -1,14 +1,11 @@
 """The ``paro`` torch.distributed backend (PaRO-CC), multi-process on CPU."""
 
-import os
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-from launch import WORKERS, assert_ok, free_port, launch
+from launch import assert_ok, launch, torchrun
 
 pytestmark = pytest.mark.multiproc
 
@@ -103,14 +100,9 @@ def test_a_monitored_barrier_names_the_rank_that_did_not_arrive() -> None:
     reason="torch before 2.14 loads no torch.distributed.backends entry points",
 )
 def test_torchrun_finds_the_backend_through_its_entry_point() -> None:
-    env = dict(os.environ, PARO_GROUP_SIZE="2", OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-        f"--master-port={free_port()}", str(WORKERS / "entry_point.py"),
-    ]  # fmt: skip
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert p.stdout.count("entry point OK") == 4
+    code, output = torchrun("entry_point.py", env={"PARO_GROUP_SIZE": "2"}, timeout=300)
+    assert code == 0, output[-6000:]
+    assert output.count("entry point OK") == 4
 
 
 def test_group_size_that_does_not_divide_the_world_fails_on_every_rank() -> None:
