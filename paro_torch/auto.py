@@ -98,6 +98,9 @@ def _time_all_gather(pg: dist.ProcessGroup, nbytes: int, repeats: int, device: t
     return sorted(times)[len(times) // 2]
 
 
+_SMALL_REPEATS = 21
+
+
 def _level(
     pg: dist.ProcessGroup | None, small: int, large: int, repeats: int, device: torch.device
 ) -> tuple[float, float]:
@@ -105,7 +108,9 @@ def _level(
     if pg is None:
         return _NO_LINK, 0.0
     k = dist.get_world_size(pg)
-    t_small = _time_all_gather(pg, small, repeats, device)
+    # a small gather takes about a millisecond: many repeats cost little, and their median is not moved by a rank
+    # descheduled on shared cores (5 read 3-24 ms per ring step where quiet runs read 0.3-1.4 ms)
+    t_small = _time_all_gather(pg, small, max(repeats, _SMALL_REPEATS), device)
     t_large = _time_all_gather(pg, large, repeats, device)
     steps = k - 1
     per_rank_bytes = (large - small) * steps / k
@@ -282,31 +287,32 @@ def measure_links(
     """Measures both levels on ``device`` (default: the CPU) and, with ``throughputs``, the ranks' throughputs.
 
     The throughputs and overlaps come from stand-in steps (an MLP block, AdamW); without ``throughputs`` they are
-    left unmeasured, for ``probe_model`` to measure on the model. Every rank returns the same (slowest-rank) figures.
+    left unmeasured, for ``probe_model`` to measure on the model. Every rank returns the same figures: the links'
+    median over ranks (a collective ends together on all of them, so one rank's outlier is noise), the slowest
+    rank's throughputs (compute waits for it).
     """
     device = device or torch.device("cpu")
     dist.barrier(group=groups.whole)  # every rank probes the same level at once, as in training
     intra_bw, intra_lat = _level(groups.intra, small, large, repeats, device)
     dist.barrier(group=groups.whole)
     inter_bw, inter_lat = _level(groups.inter, small, large, repeats, device)
-    flops, params_per_s = measure_throughputs(device, repeats, groups.whole) if throughputs else (1.0, 1.0)
-    # agree on the pessimistic figures: max latency, min bandwidth and throughput over ranks
-    t = [intra_lat, inter_lat, -intra_bw, -inter_bw, -flops, -params_per_s]
-    t = torch.tensor(t, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups.whole)
+    figures = torch.tensor([intra_lat, inter_lat, intra_bw, inter_bw], dtype=torch.float64, device=device)
+    every = [torch.empty_like(figures) for _ in range(groups.world)]
+    dist.all_gather(every, figures, group=groups.whole)
+    median = torch.quantile(torch.stack(every), 0.5, dim=0).tolist()
     links = LinkCalibration(
-        intra_bandwidth=float(-t[2]),
-        inter_bandwidth=float(-t[3]),
-        intra_latency=float(t[0]),
-        inter_latency=float(t[1]),
+        intra_bandwidth=median[2], inter_bandwidth=median[3], intra_latency=median[0], inter_latency=median[1]
     )
     if not throughputs:
         return links
+    flops, params_per_s = measure_throughputs(device, repeats, groups.whole)
+    slowest = torch.tensor([flops, params_per_s], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MIN, group=groups.whole)
     return dataclasses.replace(
         links,
-        compute_flops=float(-t[4]),
+        compute_flops=float(slowest[0]),
         compute_probe="mlp block",
-        optimizer_params_per_s=float(-t[5]),
+        optimizer_params_per_s=float(slowest[1]),
         **_overlaps(groups, device),
     )
 

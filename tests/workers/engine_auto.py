@@ -37,6 +37,11 @@ def main() -> None:
     assert probe < 12.0, f"the probe took {probe:.2f}s"
     assert links.intra_bandwidth > 0 and links.inter_bandwidth > 0, links
     assert links.compute_flops and links.compute_flops > 1e8 and links.optimizer_params_per_s, links
+    figures = [links.intra_latency, links.inter_latency, links.intra_bandwidth, links.inter_bandwidth,
+               links.compute_flops, links.optimizer_params_per_s]  # fmt: skip
+    every: list[list[float] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, figures)
+    assert all(e == figures for e in every), f"the ranks' figures differ: {every}"
 
     # a generous budget: the cost model's fastest strategy, the same on every rank
     model = ParoShardedModule(make("plain"), "auto", process_groups=pgs, wrap_policy={Block}, memory_budget=10**9)
