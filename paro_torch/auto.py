@@ -98,9 +98,6 @@ def _time_all_gather(pg: dist.ProcessGroup, nbytes: int, repeats: int, device: t
     return sorted(times)[len(times) // 2]
 
 
-_SMALL_REPEATS = 21
-
-
 def _level(
     pg: dist.ProcessGroup | None, small: int, large: int, repeats: int, device: torch.device
 ) -> tuple[float, float]:
@@ -108,9 +105,7 @@ def _level(
     if pg is None:
         return _NO_LINK, 0.0
     k = dist.get_world_size(pg)
-    # a small gather takes about a millisecond: many repeats cost little, and their median is not moved by a rank
-    # descheduled on shared cores (5 read 3-24 ms per ring step where quiet runs read 0.3-1.4 ms)
-    t_small = _time_all_gather(pg, small, max(repeats, _SMALL_REPEATS), device)
+    t_small = _time_all_gather(pg, small, repeats, device)
     t_large = _time_all_gather(pg, large, repeats, device)
     steps = k - 1
     per_rank_bytes = (large - small) * steps / k
@@ -287,21 +282,23 @@ def measure_links(
     """Measures both levels on ``device`` (default: the CPU) and, with ``throughputs``, the ranks' throughputs.
 
     The throughputs and overlaps come from stand-in steps (an MLP block, AdamW); without ``throughputs`` they are
-    left unmeasured, for ``probe_model`` to measure on the model. Every rank returns the same figures: the links'
-    median over ranks (a collective ends together on all of them, so one rank's outlier is noise), the slowest
-    rank's throughputs (compute waits for it).
+    left unmeasured, for ``probe_model`` to measure on the model. Every rank returns the same (slowest-rank) figures.
+
+    On ranks that share cores the small gather's time after a barrier includes the ranks' skew, which training's
+    collectives pay too: its median over 21 repeats and over ranks (0.2-0.5 ms where this read 3-24 ms) made the
+    predictions of the strategies with many collectives per step 17-41 % low at 2 x 2 / 200 Mbit/s
+    (benchmarks/results/step-model-200mbit.md).
     """
     device = device or torch.device("cpu")
     dist.barrier(group=groups.whole)  # every rank probes the same level at once, as in training
     intra_bw, intra_lat = _level(groups.intra, small, large, repeats, device)
     dist.barrier(group=groups.whole)
     inter_bw, inter_lat = _level(groups.inter, small, large, repeats, device)
-    figures = torch.tensor([intra_lat, inter_lat, intra_bw, inter_bw], dtype=torch.float64, device=device)
-    every = [torch.empty_like(figures) for _ in range(groups.world)]
-    dist.all_gather(every, figures, group=groups.whole)
-    median = torch.quantile(torch.stack(every), 0.5, dim=0).tolist()
+    # the pessimistic figures over ranks: max latency, min bandwidth
+    t = torch.tensor([intra_lat, inter_lat, -intra_bw, -inter_bw], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups.whole)
     links = LinkCalibration(
-        intra_bandwidth=median[2], inter_bandwidth=median[3], intra_latency=median[0], inter_latency=median[1]
+        intra_bandwidth=float(-t[2]), inter_bandwidth=float(-t[3]), intra_latency=float(t[0]), inter_latency=float(t[1])
     )
     if not throughputs:
         return links
