@@ -285,7 +285,7 @@ def measure_links(
     left unmeasured, for ``probe_model`` to measure on the model. Every rank returns the same (slowest-rank) figures.
 
     On ranks that share cores the small gather's time after a barrier includes the ranks' skew, which training's
-    collectives pay too: its median over 21 repeats and over ranks (0.2-0.5 ms where this read 3-24 ms) made the
+    collectives pay too: its median over 21 repeats and over ranks (0.2-0.5 ms where this read 1-24 ms) made the
     predictions of the strategies with many collectives per step 17-41 % low at 2 x 2 / 200 Mbit/s
     (benchmarks/results/step-model-200mbit.md).
     """
