@@ -41,11 +41,11 @@ def report(results: list[dict[str, Any]]) -> str:
         "| auto's own run / fastest |",
         "|---|---|---:|---:|---:|---:|---:|---|---|---:|---:|",
     ]
-    for result in results:  # recomputed from the runs, so older files are read as the current analysis reads them
-        result["predictions"] = {s: prediction(rows) for s, rows in summarize(result).items()}
+    # from the runs, not the files' own "predictions": older files read as the current analysis reads them
+    analyses = [{s: prediction(rows) for s, rows in summarize(result).items()} for result in results]
     cells = within = 0
-    for result in results:
-        for scenario, pc in result["predictions"].items():
+    for result, analysis in zip(results, analyses, strict=True):
+        for scenario, pc in analysis.items():
             if not pc.get("n"):
                 continue
             errors = [t["error"] for t in pc["table"]]
@@ -62,8 +62,8 @@ def report(results: list[dict[str, Any]]) -> str:
                 f"| {_f(own, '{:.3f}')} |"
             )
     lines += ["", f"In all: {within} of {cells} cells within {TOLERANCE:.0%} ({within / max(cells, 1):.0%})."]
-    for result in results:
-        for scenario, pc in result["predictions"].items():
+    for result, analysis in zip(results, analyses, strict=True):
+        for scenario, pc in analysis.items():
             if not pc.get("n"):
                 continue
             lines += [
