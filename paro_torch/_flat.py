@@ -83,7 +83,7 @@ def _ring(sent: Sent, level: str, pg: dist.ProcessGroup, x: torch.Tensor, times:
     sent[level] += times * (k - 1) * (x.numel() * x.element_size() // k)
 
 
-def _reduce_scatter(x: torch.Tensor, pg: dist.ProcessGroup | None, sent: Sent, level: str) -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, pg: dist.ProcessGroup | None, sent: Sent, level: str) -> torch.Tensor:
     if pg is None:
         return x
     k = dist.get_world_size(pg)
@@ -357,9 +357,9 @@ class FlatBuffer:
             return
         # in reduce_dtype, divided by n in two factors around the sums (as FSDP), so fp16 neither over- nor underflows
         x = self.to_blocks(grad.to(self.precision.reduce) / self._pre)
-        x = _reduce_scatter(x, self.rgroups.intra, self.rsent, "intra")
+        x = reduce_scatter(x, self.rgroups.intra, self.rsent, "intra")
         if self.strategy.g == G:
-            x = _reduce_scatter(x, self.rgroups.inter, self.rsent, "inter")
+            x = reduce_scatter(x, self.rgroups.inter, self.rsent, "inter")
         self.g_acc.add_(x / self._post)
 
     def sync_grad(self) -> bool:
@@ -373,10 +373,10 @@ class FlatBuffer:
         if s.g == N:  # local sums: the division by n, as in reduce
             x = x / self._pre
         if s.g == N:
-            x = _reduce_scatter(x, groups.intra, self.rsent, "intra")
+            x = reduce_scatter(x, groups.intra, self.rsent, "intra")
         if s.g in (N, I):  # partial sums across groups
             if s.os == G:
-                x = _reduce_scatter(x, groups.inter, self.rsent, "inter")
+                x = reduce_scatter(x, groups.inter, self.rsent, "inter")
             elif groups.inter is not None:
                 x = x.clone()
                 dist.all_reduce(x, group=groups.inter)

@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from paro_torch import _C
+from paro_torch._flat import Sent, reduce_scatter
 from paro_torch._groups import ParoGroups, build_groups
 
 logger = logging.getLogger("paro_torch")
@@ -58,6 +60,16 @@ class LinkCalibration:
     """How much slower intra-group collectives run beside compute, at least 1 (None: not measured, taken as 1)."""
     inter_slowdown: float | None = None
     """The same for inter-group collectives."""
+    intra_reduce_scatter_bandwidth: float | None = None
+    """Per-rank bandwidth of the engine's intra-group reduce-scatter (on Gloo an all-to-all and a local sum), bytes/s
+    (None: not measured, taken as ``intra_bandwidth``)."""
+    inter_reduce_scatter_bandwidth: float | None = None
+    """The same for inter-group reduce-scatters."""
+    intra_reduce_scatter_slowdown: float | None = None
+    """How much slower intra-group reduce-scatters run beside compute (None: not measured, taken as
+    ``intra_slowdown``)."""
+    inter_reduce_scatter_slowdown: float | None = None
+    """The same for inter-group reduce-scatters."""
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Writes the figures as JSON (reuse them with ``PARO_CALIBRATION=path``)."""
@@ -83,16 +95,32 @@ def _gather_buffers(pg: dist.ProcessGroup, nbytes: int, device: torch.device) ->
     return x, torch.empty(x.numel() * dist.get_world_size(pg), device=device)
 
 
-def _time_all_gather(pg: dist.ProcessGroup, nbytes: int, repeats: int, device: torch.device) -> float:
+def _collective(op: str, pg: dist.ProcessGroup, nbytes: int, device: torch.device) -> Callable[[], None]:
+    """One call of the engine's all-gather (``op`` "all_gather") or reduce-scatter ("reduce_scatter") over ``pg``.
+
+    On about ``nbytes`` (the gather's output, the scatter's input): each rank sends (k - 1)/k of it.
+    """
     x, out = _gather_buffers(pg, nbytes, device)
+    if op == "all_gather":
+        return lambda: dist.all_gather_into_tensor(out, x, group=pg)
+    sent: Sent = {"intra": 0, "inter": 0}
+
+    def scatter() -> None:
+        reduce_scatter(out, pg, sent, "intra")
+
+    return scatter
+
+
+def _time_collective(op: str, pg: dist.ProcessGroup, nbytes: int, repeats: int, device: torch.device) -> float:
+    call = _collective(op, pg, nbytes, device)
     sync = _sync(device)
     for _ in range(2):  # warm-up: connections, allocations, first touch of the buffers
-        dist.all_gather_into_tensor(out, x, group=pg)
+        call()
     times = []
     for _ in range(repeats):
         dist.barrier(group=pg)
         start = time.perf_counter()
-        dist.all_gather_into_tensor(out, x, group=pg)
+        call()
         sync()
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
@@ -100,17 +128,24 @@ def _time_all_gather(pg: dist.ProcessGroup, nbytes: int, repeats: int, device: t
 
 def _level(
     pg: dist.ProcessGroup | None, small: int, large: int, repeats: int, device: torch.device
-) -> tuple[float, float]:
-    """(bandwidth, latency) of one level from two all-gather sizes."""
+) -> tuple[float, float, float]:
+    """(bandwidth, latency, reduce-scatter bandwidth) of one level.
+
+    From two all-gather sizes, and a reduce-scatter of the larger one (its latency taken as the small gather's).
+    """
     if pg is None:
-        return _NO_LINK, 0.0
+        return _NO_LINK, 0.0, _NO_LINK
     k = dist.get_world_size(pg)
-    t_small = _time_all_gather(pg, small, repeats, device)
-    t_large = _time_all_gather(pg, large, repeats, device)
+    t_small = _time_collective("all_gather", pg, small, repeats, device)
+    t_large = _time_collective("all_gather", pg, large, repeats, device)
+    t_scatter = _time_collective("reduce_scatter", pg, large, repeats, device)
     steps = k - 1
     per_rank_bytes = (large - small) * steps / k
-    bandwidth = per_rank_bytes / max(t_large - t_small, 1e-9)
-    return bandwidth, t_small / steps
+    return (
+        per_rank_bytes / max(t_large - t_small, 1e-9),
+        t_small / steps,
+        per_rank_bytes / max(t_scatter - t_small, 1e-9),
+    )
 
 
 def _mean_seconds(fn: Any, repeats: int, group: dist.ProcessGroup | None) -> float:
@@ -211,18 +246,20 @@ def measure_overlap(
     loop_s: float = 0.1,
     trials: int = 3,
     align: dist.ProcessGroup | None = None,
+    op: str = "all_gather",
 ) -> Overlap:
     """How communication over ``group`` and compute share this rank when they run at once (see ``Overlap``).
 
     Times a loop of compute steps (``step``, default an MLP block's forward and backward) alone (at least
-    ``loop_s``: shorter loops are mostly scheduling noise), a loop of all-gathers over ``group`` that takes about as
-    long, and both at once (the gathers on a thread, as the engine issues them), each loop's own elapsed time; the
-    median of ``trials`` of each figure. Every loop starts after a barrier on ``align`` (default ``group``), so that
-    ranks sharing a machine run the same loop.
+    ``loop_s``: shorter loops are mostly scheduling noise), a loop of the engine's all-gathers (or, with ``op``
+    "reduce_scatter", its reduce-scatters) over ``group`` that takes about as long, and both at once (the
+    collectives on a thread, as the engine issues them), each loop's own elapsed time; the median of ``trials`` of
+    each figure. Every loop starts after a barrier on ``align`` (default ``group``), so that ranks sharing a
+    machine run the same loop.
     """
     sync = _sync(device)
     layer_step = step if step is not None else _mlp_step(device)[0]
-    x, out = _gather_buffers(group, nbytes, device)
+    call = _collective(op, group, nbytes, device)
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     repeats, gathers_per_loop = 1, 1  # then enough steps for loop_s, and gathers that take about as long
 
@@ -233,7 +270,7 @@ def measure_overlap(
     def gathers() -> None:
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for _ in range(gathers_per_loop):
-                dist.all_gather_into_tensor(out, x, group=group)
+                call()
             sync()
 
     def timed(fn: Any) -> float:
@@ -291,14 +328,20 @@ def measure_links(
     """
     device = device or torch.device("cpu")
     dist.barrier(group=groups.whole)  # every rank probes the same level at once, as in training
-    intra_bw, intra_lat = _level(groups.intra, small, large, repeats, device)
+    intra_bw, intra_lat, intra_rs = _level(groups.intra, small, large, repeats, device)
     dist.barrier(group=groups.whole)
-    inter_bw, inter_lat = _level(groups.inter, small, large, repeats, device)
+    inter_bw, inter_lat, inter_rs = _level(groups.inter, small, large, repeats, device)
     # the pessimistic figures over ranks: max latency, min bandwidth
-    t = torch.tensor([intra_lat, inter_lat, -intra_bw, -inter_bw], dtype=torch.float64, device=device)
+    figures = [intra_lat, inter_lat, -intra_bw, -inter_bw, -intra_rs, -inter_rs]
+    t = torch.tensor(figures, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups.whole)
     links = LinkCalibration(
-        intra_bandwidth=float(-t[2]), inter_bandwidth=float(-t[3]), intra_latency=float(t[0]), inter_latency=float(t[1])
+        intra_bandwidth=float(-t[2]),
+        inter_bandwidth=float(-t[3]),
+        intra_latency=float(t[0]),
+        inter_latency=float(t[1]),
+        intra_reduce_scatter_bandwidth=float(-t[4]),
+        inter_reduce_scatter_bandwidth=float(-t[5]),
     )
     if not throughputs:
         return links
@@ -315,14 +358,23 @@ def measure_links(
 
 
 def _overlaps(groups: ParoGroups, device: torch.device, step: Any = None) -> dict[str, float]:
-    """``measure_overlap`` of both levels as ``LinkCalibration`` fields: the ranks' mean, 1 for a level of one rank."""
-    found = [measure_overlap(device, pg, step, align=groups.whole) if pg is not None else Overlap(1.0, 1.0)
-             for pg in (groups.intra, groups.inter)]  # fmt: skip
+    """``measure_overlap`` of both levels as ``LinkCalibration`` fields: the ranks' mean, 1 for a level of one rank.
+
+    The all-gathers give the level's overlap and slowdown; the reduce-scatters their own slowdown.
+    """
+    found = [
+        measure_overlap(device, pg, step, align=groups.whole, op=op) if pg is not None else Overlap(1.0, 1.0)
+        for pg in (groups.intra, groups.inter)
+        for op in ("all_gather", "reduce_scatter")
+    ]
     t = torch.tensor([x for o in found for x in (o.fraction, o.slowdown)], dtype=torch.float64, device=device)
     dist.all_reduce(t, group=groups.whole)  # the ranks' mean: a noisy figure, not a bound
     t /= groups.world
-    return {"intra_overlap": float(t[0]), "intra_slowdown": float(t[1]),
-            "inter_overlap": float(t[2]), "inter_slowdown": float(t[3])}  # fmt: skip
+    figures = {}
+    for i, level in enumerate(("intra", "inter")):  # t: (fraction, slowdown) of the gathers, then the scatters
+        figures |= {f"{level}_overlap": float(t[4 * i]), f"{level}_slowdown": float(t[4 * i + 1]),
+                    f"{level}_reduce_scatter_slowdown": float(t[4 * i + 3])}  # fmt: skip
+    return figures
 
 
 def calibrate(
@@ -434,7 +486,9 @@ def _request(
         "inter_latency": links.inter_latency,
         "memory_bytes": memory_budget,
     }
-    for name in ("optimizer_params_per_s", "intra_overlap", "inter_overlap", "intra_slowdown", "inter_slowdown"):
+    figures = ("overlap", "slowdown", "reduce_scatter_bandwidth", "reduce_scatter_slowdown")
+    measured = [f"{level}_{figure}" for figure in figures for level in ("intra", "inter")]
+    for name in ("optimizer_params_per_s", *measured):
         if getattr(links, name) is not None:
             cluster[name] = getattr(links, name)
     training = dict(training)

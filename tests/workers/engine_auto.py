@@ -36,9 +36,14 @@ def main() -> None:
     # of each level's gathers with compute (3 trials of three 0.1 s loops): a few seconds for 4 ranks on 2 cores
     assert probe < 12.0, f"the probe took {probe:.2f}s"
     assert links.intra_bandwidth > 0 and links.inter_bandwidth > 0, links
+    # the engine's own reduce-scatter, timed apart (on Gloo an all-to-all and a sum: not the all-gather's speed)
+    assert links.intra_reduce_scatter_bandwidth and links.inter_reduce_scatter_bandwidth, links
+    assert links.intra_reduce_scatter_slowdown and links.intra_reduce_scatter_slowdown >= 1, links
+    assert links.inter_reduce_scatter_slowdown and links.inter_reduce_scatter_slowdown >= 1, links
     assert links.compute_flops and links.compute_flops > 1e8 and links.optimizer_params_per_s, links
     figures = [links.intra_latency, links.inter_latency, links.intra_bandwidth, links.inter_bandwidth,
-               links.compute_flops, links.optimizer_params_per_s]  # fmt: skip
+               links.compute_flops, links.optimizer_params_per_s, links.intra_reduce_scatter_bandwidth,
+               links.inter_reduce_scatter_bandwidth]  # fmt: skip
     every: list[list[float] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(every, figures)
     assert all(e == figures for e in every), f"the ranks' figures differ: {every}"

@@ -95,6 +95,10 @@ impl GpuPreset {
             inter_overlap: None,
             intra_slowdown: None,
             inter_slowdown: None,
+            intra_reduce_scatter_bandwidth: None,
+            inter_reduce_scatter_bandwidth: None,
+            intra_reduce_scatter_slowdown: None,
+            inter_reduce_scatter_slowdown: None,
         })
     }
 }

@@ -78,6 +78,21 @@ pub struct Cluster {
     /// See `intra_slowdown`, for inter-group communication.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub inter_slowdown: Option<f64>,
+    /// Intra-group bandwidth of a reduce-scatter, bytes per second per rank, where it differs from an
+    /// all-gather's (`intra_bandwidth`, the default): on Gloo the engine runs it as an all-to-all and a local sum.
+    /// Measured by the link probe on the engine's own reduce-scatter.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub intra_reduce_scatter_bandwidth: Option<f64>,
+    /// See `intra_reduce_scatter_bandwidth`, for inter-group communication.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inter_reduce_scatter_bandwidth: Option<f64>,
+    /// How much slower an intra-group reduce-scatter runs beside compute, at least 1 (default `intra_slowdown`).
+    /// Measured by the overlap probe with the engine's reduce-scatter in place of the all-gather.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub intra_reduce_scatter_slowdown: Option<f64>,
+    /// See `intra_reduce_scatter_slowdown`, for inter-group communication.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inter_reduce_scatter_slowdown: Option<f64>,
 }
 
 /// How the model is trained.
@@ -163,7 +178,12 @@ pub(super) fn validate_cluster(c: &Cluster) -> Result<()> {
             return Err(ParoError::Invalid(format!("{name} {v} must be a non-negative number of seconds")));
         }
     }
-    for (name, v) in [("compute_flops", c.compute_flops), ("optimizer_params_per_s", c.optimizer_params_per_s)] {
+    for (name, v) in [
+        ("compute_flops", c.compute_flops),
+        ("optimizer_params_per_s", c.optimizer_params_per_s),
+        ("intra_reduce_scatter_bandwidth", c.intra_reduce_scatter_bandwidth),
+        ("inter_reduce_scatter_bandwidth", c.inter_reduce_scatter_bandwidth),
+    ] {
         if let Some(v) = v {
             if !(v.is_finite() && v > 0.0) {
                 return Err(ParoError::Invalid(format!("{name} {v} must be a positive number per second, or absent")));
@@ -177,7 +197,12 @@ pub(super) fn validate_cluster(c: &Cluster) -> Result<()> {
             }
         }
     }
-    for (name, v) in [("intra_slowdown", c.intra_slowdown), ("inter_slowdown", c.inter_slowdown)] {
+    for (name, v) in [
+        ("intra_slowdown", c.intra_slowdown),
+        ("inter_slowdown", c.inter_slowdown),
+        ("intra_reduce_scatter_slowdown", c.intra_reduce_scatter_slowdown),
+        ("inter_reduce_scatter_slowdown", c.inter_reduce_scatter_slowdown),
+    ] {
         if let Some(v) = v {
             if !(v.is_finite() && v >= 1.0) {
                 return Err(ParoError::Invalid(format!("{name} {v} must be a factor of at least 1, or absent")));

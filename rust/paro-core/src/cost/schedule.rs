@@ -231,7 +231,7 @@ impl Context<'_> {
                     Level::Inter => &[2],
                     Level::Global => &[1, 2],
                 };
-                let (intra, inter) = self.level_seconds(&c.traffic);
+                let (intra, inter) = self.level_seconds(&c.traffic, false);
                 let seconds = self.pipelined(c, intra, inter); // call_seconds, from the levels' parts
                 let task = sim.run(slots, seconds, &[last, memory], Some(c.level));
                 // a call on both levels (pipelined or, for a flat call, timed on the inter level alone): its
@@ -240,11 +240,10 @@ impl Context<'_> {
                 if seconds > 0.0 {
                     let (lost_intra, lost_inter) =
                         (1.0 - cluster.intra_overlap.unwrap_or(1.0), 1.0 - cluster.inter_overlap.unwrap_or(1.0));
-                    let (slow_intra, slow_inter) =
-                        (cluster.intra_slowdown.unwrap_or(1.0), cluster.inter_slowdown.unwrap_or(1.0));
+                    let (slow_intra, slow_inter) = self.level_seconds(&c.traffic, true);
                     let t = &mut sim.tasks[task];
                     t.cost = (lost_intra * intra + lost_inter * inter) / (intra + inter);
-                    t.slowdown = self.pipelined(c, slow_intra * intra, slow_inter * inter) / seconds;
+                    t.slowdown = self.pipelined(c, slow_intra, slow_inter) / seconds;
                 }
                 last = Some(task);
             }

@@ -27,6 +27,10 @@ fn cluster(world: usize) -> Cluster {
         inter_overlap: None,
         intra_slowdown: None,
         inter_slowdown: None,
+        intra_reduce_scatter_bandwidth: None,
+        inter_reduce_scatter_bandwidth: None,
+        intra_reduce_scatter_slowdown: None,
+        inter_reduce_scatter_slowdown: None,
     }
 }
 
@@ -152,6 +156,10 @@ fn exact_bytes_and_time_of_one_iig_step() {
             inter_overlap: None,
             intra_slowdown: None,
             inter_slowdown: None,
+            intra_reduce_scatter_bandwidth: None,
+            inter_reduce_scatter_bandwidth: None,
+            intra_reduce_scatter_slowdown: None,
+            inter_reduce_scatter_slowdown: None,
         },
     );
     req.training.grad_accum = 3;
@@ -381,6 +389,10 @@ fn the_schedule_of_a_ddp_step_by_hand() {
         inter_overlap: None,
         intra_slowdown: None,
         inter_slowdown: None,
+        intra_reduce_scatter_bandwidth: None,
+        inter_reduce_scatter_bandwidth: None,
+        intra_reduce_scatter_slowdown: None,
+        inter_reduce_scatter_slowdown: None,
     };
     let mut req = request(blocks(&[(10, 10), (10, 10)]), None, cluster);
     req.strategies = Some(vec!["NNN".into()]);
@@ -421,6 +433,42 @@ fn the_schedule_of_a_ddp_step_by_hand() {
     req.cluster.intra_slowdown = None;
     req.cluster.inter_overlap = Some(1.5);
     assert!(estimate(&req).unwrap_err().to_string().contains("inter_overlap 1.5 must be a fraction"));
+}
+
+#[test]
+fn reduce_scatters_move_at_their_own_measured_speed() {
+    // The hand-timed DDP cluster above under NGG (one group: its global calls run within it). Per unit: t_syncp,
+    // an all-gather of 20 bytes (10 s), before forward; a reduce-scatter of 20 bytes (10 s) after each backward;
+    // the optimizer on 10 parameters (10 s). Unit 0's t_syncp 0–10, forward 10–30 and 30–50 (unit 1's t_syncp
+    // behind unit 0's forward), backward 50–90 and 90–130, unit 1's reduce-scatter behind the latter, unit 0's
+    // 130–140, the optimizer 140–150.
+    let mut req = request(blocks(&[(10, 10), (10, 10)]), None, Cluster { world: 2, group_size: 2, ..cluster(2) });
+    (req.cluster.intra_bandwidth, req.cluster.intra_latency) = (1.0, 0.0);
+    (req.cluster.compute_flops, req.cluster.optimizer_params_per_s) = (Some(1.0), Some(1.0));
+    req.strategies = Some(vec!["NGG".into()]);
+    (req.training.micro_batch, req.training.seq_len, req.training.activation_checkpointing) = (1, 1, false);
+    req.training.grad_accum = 1;
+    let step = |req: &Request| {
+        let e = find(&estimate(req).unwrap(), "NGG").clone();
+        let time = |op| e.collectives.iter().find(|c| c.op == op).unwrap().time_s;
+        (e.step.step_s, time(Collective::AllGather), time(Collective::ReduceScatter))
+    };
+    assert_eq!(step(&req), (150.0, 20.0, 20.0));
+    // at half the all-gather's bandwidth the reduce-scatters take 20 s each: unit 0's ends at 150
+    req.cluster.intra_reduce_scatter_bandwidth = Some(0.5);
+    assert_eq!(step(&req), (160.0, 20.0, 40.0));
+    // 5 times slower beside compute: unit 1's does 8 s of its 10 beside unit 0's backward (90–130), 2 s alone,
+    // then unit 0's (132–142); the all-gather beside unit 0's forward is as fast as alone
+    req.cluster.intra_reduce_scatter_bandwidth = None;
+    req.cluster.intra_reduce_scatter_slowdown = Some(5.0);
+    assert_eq!(step(&req), (152.0, 20.0, 20.0));
+    // the level's slowdown stands in for an unmeasured reduce-scatter's, and slows the all-gather too
+    (req.cluster.intra_slowdown, req.cluster.intra_reduce_scatter_slowdown) = (Some(5.0), None);
+    let slowed = step(&req).0;
+    req.cluster.intra_reduce_scatter_slowdown = Some(1.0);
+    assert!(slowed > step(&req).0 && step(&req).0 > 150.0, "{slowed} {:?}", step(&req));
+    req.cluster.inter_reduce_scatter_bandwidth = Some(0.0);
+    assert!(estimate(&req).unwrap_err().to_string().contains("inter_reduce_scatter_bandwidth 0 must be a positive"));
 }
 
 #[test]

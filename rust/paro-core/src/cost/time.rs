@@ -16,20 +16,32 @@ pub(super) struct UnitFlops {
 }
 
 impl Context<'_> {
-    /// Seconds of the intra-group and the inter-group part of some traffic.
-    pub(super) fn level_seconds(&self, t: &Traffic) -> (f64, f64) {
+    /// Seconds of the intra-group and the inter-group part of some traffic, alone or (`beside_compute`) while
+    /// compute runs on the rank: each level's slowdown stretches its part, the reduce-scatter's its bytes.
+    pub(super) fn level_seconds(&self, t: &Traffic, beside_compute: bool) -> (f64, f64) {
         let c = &self.req.cluster;
+        // (the level's slowdown, its reduce-scatters') beside compute; 1 alone
+        let slowdowns = |level: Option<f64>, scatter: Option<f64>| {
+            let level = if beside_compute { level.unwrap_or(1.0) } else { 1.0 };
+            (level, if beside_compute { scatter.unwrap_or(level) } else { 1.0 })
+        };
+        let (intra, intra_scatter) = slowdowns(c.intra_slowdown, c.intra_reduce_scatter_slowdown);
+        let (inter, inter_scatter) = slowdowns(c.inter_slowdown, c.inter_reduce_scatter_slowdown);
+        let intra_scatter_bandwidth = c.intra_reduce_scatter_bandwidth.unwrap_or(c.intra_bandwidth);
+        let inter_scatter_bandwidth = c.inter_reduce_scatter_bandwidth.unwrap_or(c.inter_bandwidth);
         (
-            t.intra_hops as f64 * c.intra_latency + t.timed_intra as f64 / c.intra_bandwidth,
-            t.inter_hops as f64 * c.inter_latency + t.timed_inter as f64 / c.inter_bandwidth,
+            intra * (t.intra_hops as f64 * c.intra_latency + t.timed_intra as f64 / c.intra_bandwidth)
+                + intra_scatter * t.scattered_intra as f64 / intra_scatter_bandwidth,
+            inter * (t.inter_hops as f64 * c.inter_latency + t.timed_inter as f64 / c.inter_bandwidth)
+                + inter_scatter * t.scattered_inter as f64 / inter_scatter_bandwidth,
         )
     }
 
-    /// Seconds of one call. A hierarchical global call cuts its per-rank message into the backend's chunks
+    /// Seconds of one call alone. A hierarchical global call cuts its per-rank message into the backend's chunks
     /// (`ChunkPolicy::count`) so that one level works on chunk k+1 while the other works on chunk k: the slower
     /// level's time plus one chunk of the faster one.
     pub(super) fn call_seconds(&self, c: &Call) -> f64 {
-        let (a, b) = self.level_seconds(&c.traffic);
+        let (a, b) = self.level_seconds(&c.traffic, false);
         self.pipelined(c, a, b)
     }
 

@@ -82,6 +82,10 @@ pub(super) struct Traffic {
     pub timed_intra: u64,
     /// Bytes that move at the inter bandwidth B.
     pub timed_inter: u64,
+    /// Bytes of reduce-scatters that move at the intra reduce-scatter bandwidth (B' unless measured apart).
+    pub scattered_intra: u64,
+    /// Bytes of reduce-scatters that move at the inter reduce-scatter bandwidth (B unless measured apart).
+    pub scattered_inter: u64,
 }
 
 impl Traffic {
@@ -94,6 +98,8 @@ impl Traffic {
             inter_hops: checked_add(self.inter_hops, o.inter_hops, w)?,
             timed_intra: checked_add(self.timed_intra, o.timed_intra, w)?,
             timed_inter: checked_add(self.timed_inter, o.timed_inter, w)?,
+            scattered_intra: checked_add(self.scattered_intra, o.scattered_intra, w)?,
+            scattered_inter: checked_add(self.scattered_inter, o.scattered_inter, w)?,
         })
     }
 
@@ -106,6 +112,8 @@ impl Traffic {
             inter_hops: checked_mul(self.inter_hops, k, w)?,
             timed_intra: checked_mul(self.timed_intra, k, w)?,
             timed_inter: checked_mul(self.timed_inter, k, w)?,
+            scattered_intra: checked_mul(self.scattered_intra, k, w)?,
+            scattered_inter: checked_mul(self.scattered_inter, k, w)?,
         })
     }
 
@@ -234,13 +242,17 @@ impl Context<'_> {
 
     /// Bytes and ring steps of one call.
     fn traffic(&self, op: Collective, level: Level, x: u64) -> Result<Traffic> {
+        // a reduce-scatter's bytes are timed at the level's reduce-scatter bandwidth
+        let scatters = |op| op == Collective::ReduceScatter;
         let intra = |op, x| -> Result<Traffic> {
             let (bytes, hops) = ring(op, self.m, x)?;
-            Ok(Traffic { intra_bytes: bytes, intra_hops: hops, timed_intra: bytes, ..Traffic::default() })
+            let (timed_intra, scattered_intra) = if scatters(op) { (0, bytes) } else { (bytes, 0) };
+            Ok(Traffic { intra_bytes: bytes, intra_hops: hops, timed_intra, scattered_intra, ..Traffic::default() })
         };
         let inter = |op, x| -> Result<Traffic> {
             let (bytes, hops) = ring(op, self.g, x)?;
-            Ok(Traffic { inter_bytes: bytes, inter_hops: hops, timed_inter: bytes, ..Traffic::default() })
+            let (timed_inter, scattered_inter) = if scatters(op) { (0, bytes) } else { (bytes, 0) };
+            Ok(Traffic { inter_bytes: bytes, inter_hops: hops, timed_inter, scattered_inter, ..Traffic::default() })
         };
         match level {
             Level::Intra => intra(op, x),
