@@ -336,6 +336,12 @@ class System:
         sent = self.model.comm_bytes()
         return {"intra_bytes": sent["intra"], "inter_bytes": sent["inter"], "flat_bytes": 0}
 
+    def comm_seconds(self) -> dict[str, float] | None:
+        """Seconds the engine's communication threads spent in each "<collective> <level>" since ``reset_counted``."""
+        if self.system != "paro":
+            return None
+        return self.model.comm_seconds()
+
     def memory_stats(self) -> dict[str, int] | None:
         if self.system == "paro":
             return self.model.memory_stats(self.optimizer)
@@ -462,6 +468,7 @@ def train(cfg: dict[str, Any]) -> None:
         lambda: losses.append(system.train_step(data[next(counter)])), lambda: None, steps, bar, counter_ifaces, False
     )
     counted = system.counted()
+    comm_seconds = system.comm_seconds()
     heap_stats = heap.stop()
     mine = {
         "rank": rank,
@@ -472,6 +479,7 @@ def train(cfg: dict[str, Any]) -> None:
         "delta": delta,
         "overhead": overhead,
         "counted": counted,
+        "comm_seconds": {k: v / steps for k, v in comm_seconds.items()} if comm_seconds is not None else None,
         "rss_before_train": rss_before,
         "peak_rss": peak_rss_bytes(),
         "heap": heap_stats,
@@ -499,6 +507,7 @@ def train(cfg: dict[str, Any]) -> None:
             loss=step_losses[-1],
             nodes=[{"node": r["node"], "delta": r["delta"], "overhead": r["overhead"]} for r in rows if r["delta"]],
             counted=[r["counted"] for r in rows] if rows[0]["counted"] is not None else None,
+            comm_seconds_per_rank=[r["comm_seconds"] for r in rows] if rows[0]["comm_seconds"] is not None else None,
             peak_rss_per_rank=[r["peak_rss"] for r in rows],
             rss_before_train_per_rank=[r["rss_before_train"] for r in rows],
             heap_per_rank=[r["heap"] for r in rows],

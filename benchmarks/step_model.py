@@ -81,7 +81,27 @@ def report(results: list[dict[str, Any]]) -> str:
                     f"| {t['strategy']} | {t['predicted_step_s']:.3f} | {parts} | {t['step_s']:.3f} "
                     f"| {t['error']:+.0%} |"
                 )
+            lines += _comm_seconds_table(pc["table"])
     return "\n".join(lines) + "\n"
+
+
+def _comm_seconds_table(table: list[dict[str, Any]]) -> list[str]:
+    """Seconds per step the engine's communication threads spent in each collective and level, where recorded."""
+    kinds = sorted({k for t in table for k in (t.get("comm_seconds") or {})}, key=lambda k: (k.split()[1], k))
+    if not kinds:
+        return []
+    lines = [
+        "",
+        "Measured: seconds per step in each collective on the engine's communication threads (from call to return, "
+        "waits for late peers included; mean over ranks):",
+        "",
+        "| strategy | " + " | ".join(kinds) + " |",
+        "|---|" + "---:|" * len(kinds),
+    ]
+    for t in sorted(table, key=lambda t: t["step_s"]):
+        busy = t.get("comm_seconds") or {}
+        lines.append(f"| {t['strategy']} | " + " | ".join(_f(busy.get(k), "{:.3f}") for k in kinds) + " |")
+    return lines
 
 
 def _f(x: float | None, fmt: str) -> str:

@@ -235,6 +235,13 @@ def phase_means(run: dict[str, Any]) -> dict[str, float]:
     return {k: statistics.fmean(r.get(k, 0.0) for r in ranks) for k in ranks[0]}
 
 
+def comm_seconds_means(run: dict[str, Any]) -> dict[str, float]:
+    """Seconds per step the engine's communication threads spent in each "<collective> <level>", mean over ranks."""
+    ranks = run["comm_seconds_per_rank"]
+    kinds = sorted({k for r in ranks for k in r})
+    return {k: statistics.fmean(r.get(k, 0.0) for r in ranks) for k in kinds}
+
+
 def summarize(result: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     """Per scenario, one row per variant over its repeats (medians), in the order of VARIANTS."""
     cf = result["config"]
@@ -274,6 +281,9 @@ def summarize(result: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
                 phases = [phase_means(r) for r in ok if r.get("phases_ms_per_rank")]
                 if phases:  # seconds per step in each phase: mean over ranks, median over repeats
                     row["phases_s"] = {k: statistics.median(p[k] for p in phases) / 1e3 for k in phases[0]}
+                busy = [comm_seconds_means(r) for r in ok if r.get("comm_seconds_per_rank")]
+                if busy:  # the same statistics for the engine's time in collectives, per kind
+                    row["comm_seconds"] = {k: statistics.median(b.get(k, 0.0) for b in busy) for k in busy[0]}
                 if first.get("memory_stats_per_rank"):
                     row["model_states_max"] = max(sum(m.values()) for m in first["memory_stats_per_rank"])
                 ex = first.get("extra") or {}
@@ -348,6 +358,7 @@ def prediction(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 "predicted_inter_bytes": r["predicted_inter_bytes"],
                 "inter_bytes_per_step": r.get("inter_bytes_per_step"),
                 "counted_inter_bytes_per_step": r.get("counted_inter_bytes_per_step"),
+                "comm_seconds": r.get("comm_seconds"),
                 "step_s": r["step_s"],
                 "error": p / r["step_s"] - 1,
                 "predicted_rank": a,

@@ -11,7 +11,9 @@ in their natural layout: one tensor, the parameters back to back, which the modu
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -73,41 +75,65 @@ class ParamSlot:
         return param_rows(self.shape)[1]
 
 
-Sent = dict[str, int]
-"""Bytes this rank sent per level ("intra", "inter") by the ring formula of each collective it ran (nominal)."""
+@dataclass
+class Ledger:
+    """What the collectives one communication thread ran on a buffer cost this rank.
+
+    ``sent``: bytes per level ("intra", "inter") by the ring formula of each collective (nominal, as the cost model
+    counts them). ``seconds``: wall seconds per "<collective> <level>" from each call to its return, on the CPU
+    only, where a Gloo call returns when its work is done (waiting for late peers included); on CUDA calls return
+    once queued, and nothing is recorded.
+    """
+
+    sent: dict[str, int] = field(default_factory=lambda: {"intra": 0, "inter": 0})
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def count(self, level: str, pg: dist.ProcessGroup, x: torch.Tensor, times: int = 1) -> None:
+        """Counts what a ring collective on ``x`` (the whole buffer) sends from this rank: (k - 1)/k of it, per pass."""
+        k = dist.get_world_size(pg)
+        self.sent[level] += times * (k - 1) * (x.numel() * x.element_size() // k)
+
+    @contextlib.contextmanager
+    def timed(self, op: str, level: str, device: torch.device) -> Iterator[None]:
+        """Adds the seconds of the enclosed call to ``seconds["<op> <level>"]`` (on the CPU)."""
+        start = time.perf_counter()
+        yield
+        if device.type == "cpu":
+            key = f"{op} {level}"
+            self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
+
+    def reset(self) -> None:
+        self.sent.update(intra=0, inter=0)
+        self.seconds.clear()
 
 
-def _ring(sent: Sent, level: str, pg: dist.ProcessGroup, x: torch.Tensor, times: int = 1) -> None:
-    """Counts what a ring collective on ``x`` (the whole buffer) sends from this rank: (k - 1)/k of it, per pass."""
-    k = dist.get_world_size(pg)
-    sent[level] += times * (k - 1) * (x.numel() * x.element_size() // k)
-
-
-def reduce_scatter(x: torch.Tensor, pg: dist.ProcessGroup | None, sent: Sent, level: str) -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, pg: dist.ProcessGroup | None, ledger: Ledger, level: str) -> torch.Tensor:
     if pg is None:
         return x
     k = dist.get_world_size(pg)
-    if x.device.type == "cpu" and dist.get_backend(pg) == "gloo":
-        # Gloo's reduce_scatter runs a whole all_reduce (twice the bytes of a ring reduce-scatter): exchange the
-        # shards instead and add up this rank's here, in rank order, as the cost model counts it
-        parts = torch.empty_like(x)
-        dist.all_to_all_single(parts, x, group=pg)
-        out = parts.view(k, -1).sum(0)
-    else:
-        out = torch.empty(x.numel() // k, dtype=x.dtype, device=x.device)
-        dist.reduce_scatter_tensor(out, x, group=pg)
-    _ring(sent, level, pg, x)
+    with ledger.timed("reduce_scatter", level, x.device):
+        if x.device.type == "cpu" and dist.get_backend(pg) == "gloo":
+            # Gloo's reduce_scatter runs a whole all_reduce (twice the bytes of a ring reduce-scatter): exchange the
+            # shards instead and add up this rank's here, in rank order, as the cost model counts it
+            parts = torch.empty_like(x)
+            dist.all_to_all_single(parts, x, group=pg)
+            out = parts.view(k, -1).sum(0)
+        else:
+            out = torch.empty(x.numel() // k, dtype=x.dtype, device=x.device)
+            dist.reduce_scatter_tensor(out, x, group=pg)
+    ledger.count(level, pg, x)
     return out
 
 
-def _all_gather(out: torch.Tensor, x: torch.Tensor, pg: dist.ProcessGroup | None, sent: Sent, level: str) -> None:
+def _all_gather(out: torch.Tensor, x: torch.Tensor, pg: dist.ProcessGroup | None, ledger: Ledger, level: str) -> None:
     out, x = out.detach(), x.detach()  # collectives write in place; autograd must not see them
     if pg is None:
         out.copy_(x)
         return
     shares = x.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
-    dist.all_gather_into_tensor(out, x.clone() if shares else x, group=pg)
-    _ring(sent, level, pg, out)
+    with ledger.timed("all_gather", level, x.device):
+        dist.all_gather_into_tensor(out, x.clone() if shares else x, group=pg)
+    ledger.count(level, pg, out)
 
 
 def placements(granularity: str) -> tuple[Placement, Placement]:
@@ -135,10 +161,10 @@ class FlatBuffer:
         device: torch.device | None = None,
     ) -> None:
         self.slots = slots
-        self.sent: Sent = {"intra": 0, "inter": 0}
-        """Nominal bytes of gathers and t_syncp (the gather thread)."""
-        self.rsent: Sent = {"intra": 0, "inter": 0}
-        """Nominal bytes of reductions and t_syncg (the reduction thread)."""
+        self.ledger = Ledger()
+        """Gathers and t_syncp (the gather thread)."""
+        self.rledger = Ledger()
+        """Reductions and t_syncg (the reduction thread)."""
         self.rgroups = reduce_groups or groups
         """The groups gradients are reduced on: a twin of ``groups`` when reductions run on their own thread."""
         self.on_grad_ready = on_grad_ready or (lambda b, grad: b.reduce(grad))
@@ -322,9 +348,9 @@ class FlatBuffer:
         if granularity == G:
             i_lo, i_hi = self.range(I)
             chunk = shard.new_empty(i_hi - i_lo)  # this rank's I-chunk
-            _all_gather(chunk, shard, g.inter, self.sent, "inter")
+            _all_gather(chunk, shard, g.inter, self.ledger, "inter")
             shard = chunk
-        _all_gather(out, shard, g.intra, self.sent, "intra")  # puts this rank's own chunk in place too
+        _all_gather(out, shard, g.intra, self.ledger, "intra")  # puts this rank's own chunk in place too
 
     def views(self) -> list[torch.Tensor]:
         """The original parameters as views of the whole natural buffer (call after unshard).
@@ -357,9 +383,9 @@ class FlatBuffer:
             return
         # in reduce_dtype, divided by n in two factors around the sums (as FSDP), so fp16 neither over- nor underflows
         x = self.to_blocks(grad.to(self.precision.reduce) / self._pre)
-        x = reduce_scatter(x, self.rgroups.intra, self.rsent, "intra")
+        x = reduce_scatter(x, self.rgroups.intra, self.rledger, "intra")
         if self.strategy.g == G:
-            x = reduce_scatter(x, self.rgroups.inter, self.rsent, "inter")
+            x = reduce_scatter(x, self.rgroups.inter, self.rledger, "inter")
         self.g_acc.add_(x / self._post)
 
     def sync_grad(self) -> bool:
@@ -373,17 +399,18 @@ class FlatBuffer:
         if s.g == N:  # local sums: the division by n, as in reduce
             x = x / self._pre
         if s.g == N:
-            x = reduce_scatter(x, groups.intra, self.rsent, "intra")
+            x = reduce_scatter(x, groups.intra, self.rledger, "intra")
         if s.g in (N, I):  # partial sums across groups
             if s.os == G:
-                x = reduce_scatter(x, groups.inter, self.rsent, "inter")
+                x = reduce_scatter(x, groups.inter, self.rledger, "inter")
             elif groups.inter is not None:
                 x = x.clone()
-                dist.all_reduce(x, group=groups.inter)
-                _ring(self.rsent, "inter", groups.inter, x, times=2)
+                with self.rledger.timed("all_reduce", "inter", x.device):
+                    dist.all_reduce(x, group=groups.inter)
+                self.rledger.count("inter", groups.inter, x, times=2)
         if s.os == N:  # NNN: reduce-scatter, all-reduce across groups, all-gather: a hierarchical all-reduce
             full = torch.empty(self.padded, dtype=x.dtype, device=self.device)
-            _all_gather(full, x, groups.intra, self.rsent, "intra")
+            _all_gather(full, x, groups.intra, self.rledger, "intra")
             x = full
         if s.g == N:
             x = x / self._post
@@ -418,7 +445,7 @@ class FlatBuffer:
                     i_lo, i_hi = self.range(I)
                     dst = p_shard[i_lo - self.p_lo : i_hi - self.p_lo]
                     _all_gather(
-                        dst, p_shard[os_lo - self.p_lo : os_hi - self.p_lo], self.groups.inter, self.sent, "inter"
+                        dst, p_shard[os_lo - self.p_lo : os_hi - self.p_lo], self.groups.inter, self.ledger, "inter"
                     )
             elif s.os == N:
                 if master.data_ptr() != p_shard.data_ptr():

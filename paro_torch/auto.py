@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from paro_torch import _C
-from paro_torch._flat import Sent, reduce_scatter
+from paro_torch._flat import Ledger, reduce_scatter
 from paro_torch._groups import ParoGroups, build_groups
 
 logger = logging.getLogger("paro_torch")
@@ -103,10 +103,10 @@ def _collective(op: str, pg: dist.ProcessGroup, nbytes: int, device: torch.devic
     x, out = _gather_buffers(pg, nbytes, device)
     if op == "all_gather":
         return lambda: dist.all_gather_into_tensor(out, x, group=pg)
-    sent: Sent = {"intra": 0, "inter": 0}
+    ledger = Ledger()
 
     def scatter() -> None:
-        reduce_scatter(out, pg, sent, "intra")
+        reduce_scatter(out, pg, ledger, "intra")
 
     return scatter
 

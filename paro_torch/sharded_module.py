@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_map_only
 from paro_torch import _C
 from paro_torch._agree import raise_together
 from paro_torch._backend import check_node_layout, resolve_group_size
-from paro_torch._flat import FlatBuffer, G, I, N, ParamSlot, param_rows
+from paro_torch._flat import FlatBuffer, G, I, Ledger, N, ParamSlot, param_rows
 from paro_torch._groups import ParoGroups, build_groups, twin_groups
 from paro_torch._lanes import Handle, make_lane
 from paro_torch._report import format_report
@@ -958,17 +958,32 @@ class ParoShardedModule(nn.Module):
         counts it), not measured on the wire; the ``paro`` backend's ``comm_stats`` measures its own groups.
         """
         out = {"intra": 0, "inter": 0}
-        for b in self._flat_buffers:
-            for sent in (b.sent, b.rsent):
-                for level in out:
-                    out[level] += sent[level]
+        for ledger in self._ledgers():
+            for level in out:
+                out[level] += ledger.sent[level]
+        return out
+
+    def comm_seconds(self) -> dict[str, float]:
+        """Wall seconds this rank's communication threads spent in each kind of collective since the last reset.
+
+        Keyed "<collective> <level>" (e.g. "reduce_scatter inter"), from each call to its return, waits for late
+        peers included: where a step's communication goes, beside the cost model's ``collectives`` rows. CPU only
+        (Gloo calls return when done); empty on CUDA, where calls return once queued.
+        """
+        out: dict[str, float] = {}
+        for ledger in self._ledgers():
+            for key, seconds in ledger.seconds.items():
+                out[key] = out.get(key, 0.0) + seconds
         return out
 
     def reset_comm_bytes(self) -> None:
-        """Zeroes the counters of ``comm_bytes``."""
+        """Zeroes the counters of ``comm_bytes`` and ``comm_seconds``."""
+        for ledger in self._ledgers():
+            ledger.reset()
+
+    def _ledgers(self) -> Iterator[Ledger]:
         for b in self._flat_buffers:
-            b.sent.update(intra=0, inter=0)
-            b.rsent.update(intra=0, inter=0)
+            yield from (b.ledger, b.rledger)
 
     def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Bytes this rank holds persistently for parameters, gradient accumulators and optimizer states.

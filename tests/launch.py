@@ -96,14 +96,19 @@ def assert_ok(results: list[RankResult]) -> str:
     return results[0].output
 
 
+def torchrun_command(script: Path, *args: str, options: tuple[str, ...] = ()) -> list[str]:
+    """The command that runs ``script ARGS`` under torchrun (with its ``options``) on 4 local ranks."""
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", *options]
+    return [*run, str(script), *args]
+
+
 def torchrun(
     script: str, args: tuple[str, ...] = (), env: dict[str, str] | None = None, timeout: float = 540
 ) -> tuple[int | None, str]:
     """Runs ``workers/<script> ARGS`` under torchrun on 4 local ranks: (its exit code, None if it hung; its output)."""
     e = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
     e.pop("LOCAL_WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
-    cmd += [str(WORKERS / script), *args]
+    cmd = torchrun_command(WORKERS / script, *args)
     try:
         done = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as err:  # its captured output is bytes even with text=True

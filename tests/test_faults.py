@@ -6,13 +6,12 @@ example resumes by itself."""
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from launch import free_port, launch
+from launch import free_port, launch, torchrun_command
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 pytestmark = pytest.mark.multiproc
@@ -58,12 +57,9 @@ def _torchrun_example(ckpt: Path, *extra: str) -> subprocess.Popen:
     # attempt a store of its own (README, "When a rank dies").
     env = dict(os.environ, PARO_GROUP_SIZE="2", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-        f"--master-port={free_port()}", *extra, str(ROOT / "examples" / "train.py"), "--strategy", "IIG",
-        "--steps", "30", "--save-every", "2", "--layers", "2", "--dim", "32", "--seq", "16", "--micro-batch", "2",
-        "--checkpoint", str(ckpt),
-    ]  # fmt: skip
+    args = ("--strategy", "IIG", "--steps", "30", "--save-every", "2", "--layers", "2", "--dim", "32", "--seq", "16",
+            "--micro-batch", "2", "--checkpoint", str(ckpt))  # fmt: skip
+    cmd = torchrun_command(ROOT / "examples" / "train.py", *args, options=(f"--master-port={free_port()}", *extra))
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

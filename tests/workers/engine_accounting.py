@@ -33,6 +33,23 @@ def estimate(model: ParoShardedModule, world: int, group_size: int, param_bytes:
     return json.loads(paro_torch._C.estimate(json.dumps(request)))["strategies"][0]
 
 
+# How the engine runs a hierarchical call on both levels (the cost model's traffic.rs counts the same parts)
+GLOBAL_PARTS = {
+    "all_gather": [("all_gather", "inter"), ("all_gather", "intra")],
+    "reduce_scatter": [("reduce_scatter", "intra"), ("reduce_scatter", "inter")],
+    "all_reduce": [("reduce_scatter", "intra"), ("all_reduce", "inter"), ("all_gather", "intra")],
+}
+
+
+def engine_kinds(rows: list[dict]) -> set[str]:
+    """The "<collective> <level>" keys of ``comm_seconds`` that the cost model's collective rows imply."""
+    kinds = set()
+    for row in rows:
+        parts = GLOBAL_PARTS[row["op"]] if row["level"] == "global" else [(row["op"], row["level"])]
+        kinds |= {f"{op} {level}" for op, level in parts if row[f"{level}_bytes"] > 0}
+    return kinds
+
+
 def step(model: nn.Module, opt: torch.optim.Optimizer, rank: int) -> None:
     g = torch.Generator().manual_seed(7)
     for j in range(ACCUM):
@@ -70,6 +87,9 @@ def main() -> None:
             nominal = model.comm_bytes()
             assert (nominal["intra"], nominal["inter"]) == (intra, inter), (code, variant, nominal, intra, inter)
             want = estimate(model, world, groups.group_size, dtype.itemsize)
+            timed = model.comm_seconds()  # the kinds of collective each level ran, as the model's rows say
+            assert set(timed) == engine_kinds(want["collectives"]), (code, variant, timed, want["collectives"])
+            assert all(s > 0 for s in timed.values()), (code, timed)
             mem = model.memory_stats(opt)
             got = (mem["params"], mem["grads"], mem["optimizer_states"], intra, inter)
             expected = (want["memory"]["params"], want["memory"]["grads"], want["memory"]["optimizer_states"],
