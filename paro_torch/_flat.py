@@ -88,19 +88,19 @@ class Ledger:
     sent: dict[str, int] = field(default_factory=lambda: {"intra": 0, "inter": 0})
     seconds: dict[str, float] = field(default_factory=dict)
 
-    def count(self, level: str, pg: dist.ProcessGroup, x: torch.Tensor, times: int = 1) -> None:
-        """Counts what a ring collective on ``x`` (the whole buffer) sends from this rank: (k - 1)/k of it, per pass."""
-        k = dist.get_world_size(pg)
-        self.sent[level] += times * (k - 1) * (x.numel() * x.element_size() // k)
-
     @contextlib.contextmanager
-    def timed(self, op: str, level: str, device: torch.device) -> Iterator[None]:
-        """Adds the seconds of the enclosed call to ``seconds["<op> <level>"]`` (on the CPU)."""
+    def call(self, op: str, level: str, pg: dist.ProcessGroup, whole: torch.Tensor, passes: int = 1) -> Iterator[None]:
+        """Records the enclosed ring collective ``op`` over ``pg`` on ``whole`` (the whole buffer).
+
+        The bytes it sends from this rank, (k - 1)/k of ``whole`` per pass, and on the CPU its seconds.
+        """
         start = time.perf_counter()
         yield
-        if device.type == "cpu":
+        if whole.device.type == "cpu":
             key = f"{op} {level}"
             self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
+        k = dist.get_world_size(pg)
+        self.sent[level] += passes * (k - 1) * (whole.numel() * whole.element_size() // k)
 
     def reset(self) -> None:
         self.sent.update(intra=0, inter=0)
@@ -111,7 +111,7 @@ def reduce_scatter(x: torch.Tensor, pg: dist.ProcessGroup | None, ledger: Ledger
     if pg is None:
         return x
     k = dist.get_world_size(pg)
-    with ledger.timed("reduce_scatter", level, x.device):
+    with ledger.call("reduce_scatter", level, pg, x):
         if x.device.type == "cpu" and dist.get_backend(pg) == "gloo":
             # Gloo's reduce_scatter runs a whole all_reduce (twice the bytes of a ring reduce-scatter): exchange the
             # shards instead and add up this rank's here, in rank order, as the cost model counts it
@@ -121,7 +121,6 @@ def reduce_scatter(x: torch.Tensor, pg: dist.ProcessGroup | None, ledger: Ledger
         else:
             out = torch.empty(x.numel() // k, dtype=x.dtype, device=x.device)
             dist.reduce_scatter_tensor(out, x, group=pg)
-    ledger.count(level, pg, x)
     return out
 
 
@@ -131,9 +130,8 @@ def _all_gather(out: torch.Tensor, x: torch.Tensor, pg: dist.ProcessGroup | None
         out.copy_(x)
         return
     shares = x.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
-    with ledger.timed("all_gather", level, x.device):
+    with ledger.call("all_gather", level, pg, out):
         dist.all_gather_into_tensor(out, x.clone() if shares else x, group=pg)
-    ledger.count(level, pg, out)
 
 
 def placements(granularity: str) -> tuple[Placement, Placement]:
@@ -405,9 +403,8 @@ class FlatBuffer:
                 x = reduce_scatter(x, groups.inter, self.rledger, "inter")
             elif groups.inter is not None:
                 x = x.clone()
-                with self.rledger.timed("all_reduce", "inter", x.device):
+                with self.rledger.call("all_reduce", "inter", groups.inter, x, passes=2):
                     dist.all_reduce(x, group=groups.inter)
-                self.rledger.count("inter", groups.inter, x, times=2)
         if s.os == N:  # NNN: reduce-scatter, all-reduce across groups, all-gather: a hierarchical all-reduce
             full = torch.empty(self.padded, dtype=x.dtype, device=self.device)
             _all_gather(full, x, groups.intra, self.rledger, "intra")

@@ -103,12 +103,8 @@ def _collective(op: str, pg: dist.ProcessGroup, nbytes: int, device: torch.devic
     x, out = _gather_buffers(pg, nbytes, device)
     if op == "all_gather":
         return lambda: dist.all_gather_into_tensor(out, x, group=pg)
-    ledger = Ledger()
-
-    def scatter() -> None:
-        reduce_scatter(out, pg, ledger, "intra")
-
-    return scatter
+    ledger = Ledger()  # thrown away: the probe times the call itself
+    return lambda: reduce_scatter(out, pg, ledger, "inter")
 
 
 def _time_collective(op: str, pg: dist.ProcessGroup, nbytes: int, repeats: int, device: torch.device) -> float:
@@ -475,8 +471,12 @@ def _request(
     memory_budget: int,
     training: dict[str, Any],
     tokens_per_micro_step: int | None,
+    shared_cores: bool = False,
 ) -> dict[str, Any]:
-    """The cost model's request (see ``paro plan --help`` and the Rust ``cost::request``)."""
+    """The cost model's request (see ``paro plan --help`` and the Rust ``cost::request``).
+
+    ``shared_cores``: the ranks compute and run their intra-group collectives on the same CPU cores (CPU ranks).
+    """
     cluster: dict[str, Any] = {
         "world": groups.world,
         "group_size": groups.group_size,
@@ -485,6 +485,7 @@ def _request(
         "intra_latency": links.intra_latency,
         "inter_latency": links.inter_latency,
         "memory_bytes": memory_budget,
+        "shared_cores": shared_cores,
     }
     figures = ("overlap", "slowdown", "reduce_scatter_bandwidth", "reduce_scatter_slowdown")
     measured = [f"{level}_{figure}" for figure in figures for level in ("intra", "inter")]
@@ -534,18 +535,20 @@ def choose_strategy(
     tokens_per_micro_step: int | None = None,
     activation_checkpointing: bool = False,
     only: str | None = None,
+    shared_cores: bool = False,
 ) -> tuple[str, dict[str, Any]]:
     """Rank 0 asks the cost model for the fastest strategy that fits; every rank gets the same answer.
 
     With ``tokens_per_micro_step`` (and a measured compute throughput) the predicted step includes compute, which
     hides communication (``activation_checkpointing`` adds the recomputation); without it, the step is the
     communication schedule alone. With ``only``, checks that this one strategy fits instead of choosing.
+    ``shared_cores``: CPU ranks (see ``_request``).
 
     Raises:
         ValueError: nothing (or ``only``) fits the memory budget, raised on every rank, with what it needs.
     """
     training = {"grad_accum": grad_accum, "activation_checkpointing": activation_checkpointing, **sizes}
-    request = _request(blocks, groups, links, memory_budget, training, tokens_per_micro_step)
+    request = _request(blocks, groups, links, memory_budget, training, tokens_per_micro_step, shared_cores)
     if only is not None:
         request["strategies"] = [only]
     report = json.loads(_C.estimate(json.dumps(request)))

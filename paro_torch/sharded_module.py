@@ -283,6 +283,7 @@ class ParoShardedModule(nn.Module):
                 tokens_per_micro_step=tokens_per_micro_step,
                 activation_checkpointing=checkpointing,
                 only=None if auto else parsed.code if parsed else None,
+                shared_cores=self.device.type == "cpu",
             )
             if auto and self.groups.rank == 0:
                 logger.info("paro: strategy='auto'\n%s", format_report(self.plan))

@@ -99,6 +99,7 @@ impl GpuPreset {
             inter_reduce_scatter_bandwidth: None,
             intra_reduce_scatter_slowdown: None,
             inter_reduce_scatter_slowdown: None,
+            shared_cores: false,
         })
     }
 }

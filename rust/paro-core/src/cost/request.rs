@@ -93,6 +93,13 @@ pub struct Cluster {
     /// See `intra_reduce_scatter_slowdown`, for inter-group communication.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub inter_reduce_scatter_slowdown: Option<f64>,
+    /// Whether the ranks of a group compute and move their intra-group bytes on the same CPU cores (CPU training;
+    /// `paro_torch` sets it for CPU ranks). Then a rank that waits for an intra-group collective does not free the
+    /// cores for it: the ranks sharing them compute meanwhile, so intra-group collectives run at their speed beside
+    /// compute (`intra_slowdown`) for the whole step. Inter-group transfers are bound by the link, not the cores,
+    /// and keep their speed alone while the rank waits.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub shared_cores: bool,
 }
 
 /// How the model is trained.

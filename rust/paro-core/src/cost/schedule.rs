@@ -13,7 +13,9 @@
 //! Where collectives and compute share a rank's cores (`Cluster::intra_overlap`, `intra_slowdown` and their
 //! inter-group twins), the simulation runs them at rates: while compute runs, a collective progresses at
 //! 1 / slowdown of its speed alone, and compute loses (1 − overlap) seconds per second of collective work done
-//! beside it. With both figures 1 (GPUs; the default) every task runs at full speed.
+//! beside it. With both figures 1 (GPUs; the default) every task runs at full speed. Where the ranks of a group
+//! share CPU cores (`Cluster::shared_cores`), an intra-group collective runs at its slowed speed even while this
+//! rank's compute waits for it: the ranks beside it compute on the cores it would need.
 
 use serde::{Deserialize, Serialize};
 
@@ -75,10 +77,11 @@ struct Task {
     work: f64,
     deps: Vec<usize>,
     level: Option<Level>,
-    /// A collective's: compute seconds lost per second of its work done beside compute (at most 1), and its
-    /// slowdown there.
+    /// A collective's: compute seconds lost per second of its work done beside compute (at most 1), its
+    /// slowdown there, and its slowdown while this rank's compute waits (1 unless cores are shared).
     cost: f64,
     slowdown: f64,
+    idle_slowdown: f64,
 }
 
 /// The compute stream and the two levels' links, each running its work in issue order; tasks are recorded as the
@@ -92,7 +95,7 @@ impl Sim {
     /// Records `seconds` of work on `slots`, to start once `deps` have finished; returns its index.
     fn run(&mut self, slots: &'static [usize], seconds: f64, deps: &[Option<usize>], level: Option<Level>) -> usize {
         let deps = deps.iter().flatten().copied().collect();
-        self.tasks.push(Task { slots, work: seconds, deps, level, cost: 0.0, slowdown: 1.0 });
+        self.tasks.push(Task { slots, work: seconds, deps, level, cost: 0.0, slowdown: 1.0, idle_slowdown: 1.0 });
         self.tasks.len() - 1
     }
 
@@ -164,7 +167,7 @@ impl Sim {
             let rate = |i: usize| {
                 let t = &tasks[i];
                 if t.slots != [0] {
-                    return if computing { 1.0 / t.slowdown } else { 1.0 };
+                    return 1.0 / if computing { t.slowdown } else { t.idle_slowdown };
                 }
                 let lost: f64 =
                     active.iter().filter(|&&c| tasks[c].slots != [0]).map(|&c| tasks[c].cost / tasks[c].slowdown).sum();
@@ -244,6 +247,9 @@ impl Context<'_> {
                     let t = &mut sim.tasks[task];
                     t.cost = (lost_intra * intra + lost_inter * inter) / (intra + inter);
                     t.slowdown = self.pipelined(c, slow_intra, slow_inter) / seconds;
+                    if cluster.shared_cores {
+                        t.idle_slowdown = self.pipelined(c, slow_intra, inter) / seconds;
+                    }
                 }
                 last = Some(task);
             }

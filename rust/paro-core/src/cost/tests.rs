@@ -31,6 +31,7 @@ fn cluster(world: usize) -> Cluster {
         inter_reduce_scatter_bandwidth: None,
         intra_reduce_scatter_slowdown: None,
         inter_reduce_scatter_slowdown: None,
+        shared_cores: false,
     }
 }
 
@@ -160,6 +161,7 @@ fn exact_bytes_and_time_of_one_iig_step() {
             inter_reduce_scatter_bandwidth: None,
             intra_reduce_scatter_slowdown: None,
             inter_reduce_scatter_slowdown: None,
+            shared_cores: false,
         },
     );
     req.training.grad_accum = 3;
@@ -393,6 +395,7 @@ fn the_schedule_of_a_ddp_step_by_hand() {
         inter_reduce_scatter_bandwidth: None,
         intra_reduce_scatter_slowdown: None,
         inter_reduce_scatter_slowdown: None,
+        shared_cores: false,
     };
     let mut req = request(blocks(&[(10, 10), (10, 10)]), None, cluster);
     req.strategies = Some(vec!["NNN".into()]);
@@ -469,6 +472,41 @@ fn reduce_scatters_move_at_their_own_measured_speed() {
     assert!(slowed > step(&req).0 && step(&req).0 > 150.0, "{slowed} {:?}", step(&req));
     req.cluster.inter_reduce_scatter_bandwidth = Some(0.0);
     assert!(estimate(&req).unwrap_err().to_string().contains("inter_reduce_scatter_bandwidth 0 must be a positive"));
+}
+
+#[test]
+fn shared_cores_slow_intra_group_collectives_while_compute_waits() {
+    // The NGG cluster above, its all-gathers 2 times slower beside compute, its reduce-scatters not. Cores not
+    // shared: unit 0's t_syncp 0–10 alone, forward 10–30, unit 1's t_syncp 10–30 beside it (10 s of work at half
+    // speed), forward 30–50, backward 50–90 and 90–130, unit 0's reduce-scatter 130–140, the optimizer 140–150.
+    // Shared: unit 0's t_syncp runs at half speed while compute waits for it, 0–20; everything after is 10 s later.
+    let ngg = |group_size: usize| {
+        let mut req = request(blocks(&[(10, 10), (10, 10)]), None, Cluster { world: 2, group_size, ..cluster(2) });
+        let c = &mut req.cluster;
+        (c.intra_bandwidth, c.intra_latency, c.inter_bandwidth, c.inter_latency) = (1.0, 0.0, 1.0, 0.0);
+        (c.compute_flops, c.optimizer_params_per_s) = (Some(1.0), Some(1.0));
+        (c.intra_slowdown, c.intra_reduce_scatter_slowdown) = (Some(2.0), Some(1.0));
+        (c.inter_slowdown, c.inter_reduce_scatter_slowdown) = (Some(2.0), Some(1.0));
+        req.strategies = Some(vec!["NGG".into()]);
+        (req.training.micro_batch, req.training.seq_len, req.training.activation_checkpointing) = (1, 1, false);
+        req.training.grad_accum = 1;
+        req
+    };
+    let step = |req: &Request| {
+        let s = find(&estimate(req).unwrap(), "NGG").step;
+        (s.step_s, s.exposed_intra_s + s.exposed_inter_s + s.exposed_global_s)
+    };
+    let mut req = ngg(2);
+    let apart = step(&req);
+    assert_eq!(apart.0, 150.0);
+    req.cluster.shared_cores = true;
+    assert_eq!(step(&req), (160.0, apart.1 + 10.0));
+    // across groups (one rank each) the same calls cross the link, which the cores do not bound: unchanged
+    let mut req = ngg(1);
+    let apart = step(&req);
+    assert_eq!(apart.0, 150.0);
+    req.cluster.shared_cores = true;
+    assert_eq!(step(&req), apart);
 }
 
 #[test]

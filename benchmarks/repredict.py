@@ -1,0 +1,122 @@
+"""Re-predicts a training benchmark's cells with the installed cost model (issue #15's model development).
+
+A training run records, per cell, the figures its own probe measured (``extra.links``) and the step time it measured.
+This rebuilds each cell's cost-model request as the engine built it (the benchmark's model and scenario, units from
+the decoder layers, the run's links; see ``_training_worker.py`` and ``ParoShardedModule``) and asks the cost model
+again, so a change to the model can be checked against every measured cell in seconds instead of a new run. The
+output is the input JSON with the predictions (and auto's picks) replaced; ``benchmarks/step_model.py`` reports on
+it. With an unchanged model the predictions must equal the recorded ones (``--check``).
+
+    python3 benchmarks/repredict.py results/training-2x2-200mbit-busy.json --out /tmp/re.json [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from paro_torch import _C
+from paro_torch.auto import LinkCalibration, _request
+from paro_torch.sharded_module import _assign_units, _cost_blocks
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _training_worker import apply_scenario, build_model, decoder_layer_class  # noqa: E402
+
+_FP32 = {"param_bytes": 4, "grad_bytes": 4, "reduce_bytes": 4, "optimizer_bytes": 8}  # Precision.bytes(), float32
+
+
+class _Shape:
+    """The two numbers of a ``ParoGroups`` that sizes depend on."""
+
+    def __init__(self, world: int, group_size: int) -> None:
+        self.world, self.group_size = world, group_size
+
+
+def blocks_of(cfg: dict[str, Any], scenario: str, groups: _Shape) -> list[dict[str, Any]]:
+    """The cost model's units for the benchmark's model in ``scenario`` (built on the meta device)."""
+    with torch.device("meta"):
+        model, _ = apply_scenario(build_model(cfg), dict(cfg, scenario=scenario))
+    return _cost_blocks([a[1] for a in _assign_units(model, {decoder_layer_class()})], groups)
+
+
+def estimate(
+    blocks: list[dict[str, Any]],
+    groups: _Shape,
+    cfg: dict[str, Any],
+    links: LinkCalibration,
+    only: str | None,
+    shared_cores: bool = True,
+) -> dict[str, Any]:
+    """The cost model's report for a benchmark cell (CPU ranks: ``shared_cores``)."""
+    training = {"grad_accum": cfg["grad_accum"], "activation_checkpointing": False, **_FP32}
+    tokens = cfg["micro_batch"] * cfg["model"]["seq"]
+    request = _request(blocks, groups, links, 1 << 62, training, tokens, shared_cores=shared_cores)
+    if only is not None:
+        request["strategies"] = [only]
+    return json.loads(_C.estimate(json.dumps(request)))
+
+
+def repredict(
+    result: dict[str, Any], overrides: dict[str, float], shared_cores: bool = True
+) -> tuple[dict[str, Any], float]:
+    """``result`` with every paro cell's prediction from the installed model; the largest change in step_s."""
+    out = copy.deepcopy(result)
+    cfg = out["config"]
+    groups = _Shape(cfg["world"], cfg["per_node"])
+    blocks: dict[str, list[dict[str, Any]]] = {}
+    largest = 0.0
+    for run in out["runs"]:
+        extra = run.get("extra") or {}
+        if not run.get("ok") or "links" not in extra or not run["variant"].startswith("paro:"):
+            continue
+        if run["scenario"] not in blocks:
+            blocks[run["scenario"]] = blocks_of(cfg, run["scenario"], groups)
+        links = LinkCalibration(**(extra["links"] | overrides))
+        auto = run["variant"] == "paro:auto"
+        only = None if auto else extra["strategy"]
+        report = estimate(blocks[run["scenario"]], groups, cfg, links, only, shared_cores)
+        mine = next(s for s in report["strategies"] if s["code"] == extra["strategy"])
+        old = extra["predicted"]["step"]["step_s"]
+        largest = max(largest, abs(mine["step"]["step_s"] - old) / old)
+        extra["predicted"].update(time_s=mine["time_s"], step=mine["step"])
+        if auto:
+            extra["auto_choice"] = report["choice"]["code"] if report.get("choice") else None
+    return out, largest
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("results", type=Path, nargs="+", help="training benchmark JSON files")
+    ap.add_argument("--out-dir", type=Path, required=True, help="where the re-predicted JSON files go (same names)")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="override a LinkCalibration figure in every cell, e.g. intra_slowdown=6")  # fmt: skip
+    ap.add_argument("--check", action="store_true", help="fail unless the predictions equal the recorded ones")
+    ap.add_argument("--no-shared-cores", action="store_true",
+                    help="as the model before shared_cores (runs before it: reproduces their predictions)")  # fmt: skip
+    args = ap.parse_args(argv)
+    overrides = {}
+    for item in args.set:
+        name, _, value = item.partition("=")
+        if name not in LinkCalibration.__dataclass_fields__:
+            ap.error(f"--set {item}: {name!r} is not a LinkCalibration field")
+        overrides[name] = float(value)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    for path in args.results:
+        result, largest = repredict(json.loads(path.read_text()), overrides, not args.no_shared_cores)
+        (args.out_dir / path.name).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"{path.name}: largest change of a predicted step {largest:.2%}")
+        if args.check and not math.isclose(largest, 0.0, abs_tol=1e-9):
+            print("the installed cost model does not reproduce the recorded predictions", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
