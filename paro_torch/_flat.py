@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -134,6 +135,22 @@ def _all_gather(out: torch.Tensor, x: torch.Tensor, pg: dist.ProcessGroup | None
         dist.all_gather_into_tensor(out, x.clone() if shares else x, group=pg)
 
 
+def _weak(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    """A tensor hook that calls ``method`` while its object lives.
+
+    A hook on a tensor that its own object holds must not hold the object: autograd keeps tensor hooks where
+    Python's garbage collector cannot see the cycle, and the buffer (with its module) would never be freed.
+    """
+    ref = weakref.WeakMethod(method)
+
+    def hook(t: torch.Tensor) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(t)
+
+    return hook
+
+
 def placements(granularity: str) -> tuple[Placement, Placement]:
     """A DTensor's placements on the (intra, inter) mesh for a granularity (nested: I-chunk, then G-chunk)."""
     return {N: (Replicate(), Replicate()), I: (Shard(0), Replicate()), G: (Shard(0), Shard(0))}[granularity]
@@ -212,7 +229,7 @@ class FlatBuffer:
             self.g_acc = torch.zeros(g_hi - g_lo, dtype=precision.accumulate, device=self.device)
             if strategy.p == N:
                 self.p_shard.requires_grad_(True)
-                self.p_shard.register_post_accumulate_grad_hook(self._on_grad)
+                self.p_shard.register_post_accumulate_grad_hook(_weak(self._on_grad))
             self.params = [nn.Parameter(t, requires_grad=True) for t in self._dtensors(self._master_region)]
         else:
             self.params = [nn.Parameter(t, requires_grad=False) for t in self._dtensors(self.p_shard.detach())]
@@ -301,7 +318,7 @@ class FlatBuffer:
             self.full = torch.empty(self.numel, dtype=self.param_dtype, device=self.device)
             if self.trainable:
                 self.full.requires_grad_(True)
-                self.full.register_post_accumulate_grad_hook(self._on_grad)
+                self.full.register_post_accumulate_grad_hook(_weak(self._on_grad))
         elif self.full.untyped_storage().size() == 0:
             self.full.untyped_storage().resize_(self.numel * self.full.element_size())
         else:

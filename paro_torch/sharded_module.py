@@ -364,6 +364,7 @@ class ParoShardedModule(nn.Module):
                 owner._late_step = True
 
         self._step_hook = register_optimizer_step_post_hook(after_step)
+        weakref.finalize(self, self._step_hook.remove)  # a global hook: it must not outlive the module
         for u in self._units:
             if u.module is not module:
                 u.module.register_forward_pre_hook(self._make_pre_forward(u), prepend=True, with_kwargs=True)
