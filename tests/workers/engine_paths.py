@@ -11,16 +11,19 @@ generate that reaches the forward past the inner model's own hooks, as PEFT's do
 redirection: the wrapper's forward runs training_step, which calls the model again and uses a root parameter);
 forward_error (a forward that raises inside a block on every rank, that micro-step skipped);
 inference_first (the first forward under inference_mode with communication issued on the calling thread, as on
-CUDA). Every case also checks that no module attribute points at freed parameter storage between steps.
+CUDA). Every case also checks that no module attribute points at freed parameter storage between steps, and that
+the module is freed once dropped.
 """
 
 import contextlib
 import faulthandler
+import gc
 import os
 import shutil
 import sys
 import tempfile
 import traceback
+import weakref
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -430,6 +433,11 @@ def main() -> None:
             parent = nn.ModuleDict({"net": model}).state_dict()
             own = model.state_dict()
             assert parent.keys() == {f"net.{k}" for k in own} and any("running_mean" in k for k in own), sorted(parent)
+        freed = weakref.ref(model)  # and nothing keeps it (or its communication threads) alive after training
+        del model
+        gc.collect()
+        if freed() is not None:
+            result = [f"{code} ({case}): the module outlives its last reference", *result]
         ok = result[0].startswith("ok ")
         failures += [] if ok else result
         if rank == 0:  # every rank checks the same full state dict, and fails with its own message
