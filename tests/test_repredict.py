@@ -1,0 +1,39 @@
+"""`benchmarks/repredict.py`: the installed cost model, asked again for a recorded benchmark's cells."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# recorded by the cost model as it is now: every paro cell and auto's picks must come out as recorded
+RECORDED = ROOT / "benchmarks" / "results" / "training-2x2-200mbit-shared.json"
+
+
+def repredict(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict]:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "repredict.py"), str(RECORDED), "--out-dir", str(tmp_path), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    out = tmp_path / RECORDED.name
+    return done, json.loads(out.read_text()) if out.exists() else {}
+
+
+def test_the_installed_model_reproduces_a_recorded_run(tmp_path: Path) -> None:
+    done, again = repredict(tmp_path, "--check")
+    assert done.returncode == 0, done.stdout + done.stderr
+    recorded = json.loads(RECORDED.read_text())
+    for old, new in zip(recorded["runs"], again["runs"], strict=True):
+        assert old.get("extra", {}).get("auto_choice") == new.get("extra", {}).get("auto_choice")
+
+
+def test_a_changed_figure_changes_the_predictions_and_check_fails(tmp_path: Path) -> None:
+    done, again = repredict(tmp_path, "--set", "intra_bandwidth=1e6", "--check")
+    assert done.returncode == 1 and "does not reproduce" in done.stderr, done.stdout + done.stderr
+    recorded = json.loads(RECORDED.read_text())
+    slower = [
+        new["extra"]["predicted"]["step"]["step_s"] > old["extra"]["predicted"]["step"]["step_s"]
+        for old, new in zip(recorded["runs"], again["runs"], strict=True)
+        if "predicted" in old.get("extra", {})
+    ]
+    assert slower and all(slower), slower
