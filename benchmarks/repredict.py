@@ -7,7 +7,7 @@ again, so a change to the model can be checked against every measured cell in se
 output is the input JSON with the predictions (and auto's picks) replaced; ``benchmarks/step_model.py`` reports on
 it. With an unchanged model the predictions must equal the recorded ones (``--check``).
 
-    python3 benchmarks/repredict.py results/training-2x2-200mbit-busy.json --out /tmp/re.json [--check]
+    python3 benchmarks/repredict.py results/training-2x2-200mbit-busy.json --out-dir /tmp/re [--check]
 """
 
 from __future__ import annotations
@@ -23,13 +23,12 @@ from typing import Any
 import torch
 
 from paro_torch import _C
+from paro_torch.api import Precision
 from paro_torch.auto import LinkCalibration, _request
 from paro_torch.sharded_module import _assign_units, _cost_blocks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _training_worker import apply_scenario, build_model, decoder_layer_class  # noqa: E402
-
-_FP32 = {"param_bytes": 4, "grad_bytes": 4, "reduce_bytes": 4, "optimizer_bytes": 8}  # Precision.bytes(), float32
 
 
 class _Shape:
@@ -55,7 +54,7 @@ def estimate(
     shared_cores: bool = True,
 ) -> dict[str, Any]:
     """The cost model's report for a benchmark cell (CPU ranks: ``shared_cores``)."""
-    training = {"grad_accum": cfg["grad_accum"], "activation_checkpointing": False, **_FP32}
+    training = {"grad_accum": cfg["grad_accum"], "activation_checkpointing": False, **Precision().bytes()}
     tokens = cfg["micro_batch"] * cfg["model"]["seq"]
     request = _request(blocks, groups, links, 1 << 62, training, tokens, shared_cores=shared_cores)
     if only is not None:

@@ -13,7 +13,8 @@ IDS = [f"{w // m}x{m}" for w, m, _ in SHAPES]
 
 @pytest.mark.parametrize("world,group_size,variants", SHAPES, ids=IDS)
 def test_all_strategies_train_like_one_process(world: int, group_size: int, variants: str) -> None:
-    """14 strategies x {all trainable, 1/4 frozen, LoRA} x AdamW x 2 micro-steps x 4 steps, within 1e-5."""
+    """14 strategies x the shape's variants (all trainable, 1/4 frozen, LoRA) x AdamW x 2 micro-steps x 4 steps,
+    within 1e-5."""
     assert_ok(launch("engine.py", world, env={"PARO_GROUP_SIZE": str(group_size)}, args=(variants,)))
 
 
