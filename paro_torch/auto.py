@@ -144,15 +144,22 @@ def _level(
     )
 
 
-def _mean_seconds(fn: Any, repeats: int, group: dist.ProcessGroup | None) -> float:
-    """Mean seconds of ``fn`` over ``repeats`` runs that start together on every rank of ``group``."""
-    fn()  # warm-up
+def _mean_seconds(fn: Any, repeats: int, group: dist.ProcessGroup | None, min_s: float = 1.0) -> float:
+    """Mean seconds of ``fn`` per run over at least ``repeats`` runs and ``min_s`` seconds on every rank of ``group``.
+
+    Two warm-up runs first (at 2 x 2 on 2 cores a model's first timed runs after one warm-up read up to 25 % slow),
+    then all ranks start together and each runs until both bounds are met, so that they contend for the cores
+    throughout, as in training (a fixed count lets the first rank done leave the others the cores).
+    """
+    fn()
+    fn()
     if group is not None:
         dist.barrier(group=group)
-    start = time.perf_counter()
-    for _ in range(repeats):
+    start, runs = time.perf_counter(), 0
+    while runs < repeats or time.perf_counter() - start < min_s:
         fn()
-    return max((time.perf_counter() - start) / repeats, 1e-9)
+        runs += 1
+    return max((time.perf_counter() - start) / runs, 1e-9)
 
 
 def _mlp_step(device: torch.device) -> tuple[Any, float]:
@@ -365,9 +372,10 @@ def _ranks_mean(seconds: torch.Tensor, groups: ParoGroups) -> torch.Tensor:
 
 
 def _overlaps(groups: ParoGroups, device: torch.device, step: Any = None) -> dict[str, float]:
-    """``measure_overlap`` of both levels as ``LinkCalibration`` fields: the ranks' mean, 1 for a level of one rank.
+    """``measure_overlap`` of both levels as ``LinkCalibration`` fields: the ranks' median, 1 for a level of one rank.
 
-    The all-gathers give the level's overlap and slowdown; the reduce-scatters their own slowdown.
+    The all-gathers give the level's overlap and slowdown; the reduce-scatters their own slowdown. The median, not
+    the mean: on shared cores one rank's figure can read several times the others' (a noisy figure, not a bound).
     """
     found = [
         measure_overlap(device, pg, step, align=groups.whole, op=op) if pg is not None else Overlap(1.0, 1.0)
@@ -375,8 +383,9 @@ def _overlaps(groups: ParoGroups, device: torch.device, step: Any = None) -> dic
         for op in ("all_gather", "reduce_scatter")
     ]
     t = torch.tensor([x for o in found for x in (o.fraction, o.slowdown)], dtype=torch.float64, device=device)
-    dist.all_reduce(t, group=groups.whole)  # the ranks' mean: a noisy figure, not a bound
-    t /= groups.world
+    every = [torch.empty_like(t) for _ in range(groups.world)]
+    dist.all_gather(every, t, group=groups.whole)
+    t = torch.quantile(torch.stack(every), 0.5, dim=0)  # of an even count: the mean of the middle two
     figures = {}
     for i, level in enumerate(("intra", "inter")):  # t: (fraction, slowdown) of the gathers, then the scatters
         figures |= {f"{level}_overlap": float(t[4 * i]), f"{level}_slowdown": float(t[4 * i + 1]),
