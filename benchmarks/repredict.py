@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from paro_torch import _C
+from paro_torch import auto
 from paro_torch.api import Precision
-from paro_torch.auto import LinkCalibration, _request
+from paro_torch.auto import LinkCalibration
 from paro_torch.sharded_module import _assign_units, _cost_blocks
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -53,13 +53,11 @@ def estimate(
     only: str | None,
     shared_cores: bool = True,
 ) -> dict[str, Any]:
-    """The cost model's report for a benchmark cell (CPU ranks: ``shared_cores``)."""
-    training = {"grad_accum": cfg["grad_accum"], "activation_checkpointing": False, **Precision().bytes()}
+    """The cost model's report for a benchmark cell (CPU ranks: ``shared_cores``), as the engine asks for it."""
     tokens = cfg["micro_batch"] * cfg["model"]["seq"]
-    request = _request(blocks, groups, links, 1 << 62, training, tokens, shared_cores=shared_cores)
-    if only is not None:
-        request["strategies"] = [only]
-    return json.loads(_C.estimate(json.dumps(request)))
+    return auto.estimate(blocks, groups, links=links, memory_budget=1 << 62, grad_accum=cfg["grad_accum"],
+                         sizes=Precision().bytes(), tokens_per_micro_step=tokens, only=only,
+                         shared_cores=shared_cores)  # fmt: skip
 
 
 def repredict(

@@ -147,7 +147,7 @@ def _level(
 def _mean_seconds(fn: Any, repeats: int, group: dist.ProcessGroup | None, min_s: float = 1.0) -> float:
     """Mean seconds of ``fn`` per run over at least ``repeats`` runs and ``min_s`` seconds on every rank of ``group``.
 
-    Two warm-up runs first (at 2 x 2 on 2 cores a model's first timed runs after one warm-up read up to 25 % slow),
+    Two warm-up runs first (at 2 x 2 on 2 cores a model's first timed runs after one warm-up read up to 24 % slow),
     then all ranks start together and each runs until both bounds are met, so that they contend for the cores
     throughout, as in training (a fixed count lets the first rank done leave the others the cores).
     """
@@ -543,6 +543,30 @@ def default_memory_budget(group_size: int) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(group_size, 1)
 
 
+def estimate(
+    blocks: list[dict[str, Any]],
+    groups: ParoGroups,
+    *,
+    links: LinkCalibration,
+    memory_budget: int,
+    grad_accum: int,
+    sizes: dict[str, int],
+    tokens_per_micro_step: int | None = None,
+    activation_checkpointing: bool = False,
+    only: str | None = None,
+    shared_cores: bool = False,
+) -> dict[str, Any]:
+    """The cost model's report for this model and cluster on this rank alone (``choose_strategy`` agrees on it).
+
+    ``only``: that one strategy instead of all. ``shared_cores``: CPU ranks (see ``_request``).
+    """
+    training = {"grad_accum": grad_accum, "activation_checkpointing": activation_checkpointing, **sizes}
+    request = _request(blocks, groups, links, memory_budget, training, tokens_per_micro_step, shared_cores)
+    if only is not None:
+        request["strategies"] = [only]
+    return json.loads(_C.estimate(json.dumps(request)))
+
+
 def choose_strategy(
     blocks: list[dict[str, Any]],
     groups: ParoGroups,
@@ -566,11 +590,9 @@ def choose_strategy(
     Raises:
         ValueError: nothing (or ``only``) fits the memory budget, raised on every rank, with what it needs.
     """
-    training = {"grad_accum": grad_accum, "activation_checkpointing": activation_checkpointing, **sizes}
-    request = _request(blocks, groups, links, memory_budget, training, tokens_per_micro_step, shared_cores)
-    if only is not None:
-        request["strategies"] = [only]
-    report = json.loads(_C.estimate(json.dumps(request)))
+    report = estimate(blocks, groups, links=links, memory_budget=memory_budget, grad_accum=grad_accum, sizes=sizes,
+                      tokens_per_micro_step=tokens_per_micro_step, activation_checkpointing=activation_checkpointing,
+                      only=only, shared_cores=shared_cores)  # fmt: skip
     codes = _C.STRATEGIES
     choice = report["choice"]
     index = torch.tensor([codes.index(choice["code"]) if choice else -1], dtype=torch.int64)
