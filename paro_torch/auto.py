@@ -556,9 +556,12 @@ def estimate(
     only: str | None = None,
     shared_cores: bool = False,
 ) -> dict[str, Any]:
-    """The cost model's report for this model and cluster on this rank alone (``choose_strategy`` agrees on it).
+    """The cost model's report for this model and cluster, on this rank alone (``choose_strategy`` agrees on it).
 
-    ``only``: that one strategy instead of all. ``shared_cores``: CPU ranks (see ``_request``).
+    With ``tokens_per_micro_step`` (and a measured compute throughput) the predicted step includes compute, which
+    hides communication (``activation_checkpointing`` adds the recomputation); without it, the step is the
+    communication schedule alone. With ``only``, that one strategy instead of all. ``shared_cores``: CPU ranks
+    (see ``_request``).
     """
     training = {"grad_accum": grad_accum, "activation_checkpointing": activation_checkpointing, **sizes}
     request = _request(blocks, groups, links, memory_budget, training, tokens_per_micro_step, shared_cores)
@@ -567,32 +570,12 @@ def estimate(
     return json.loads(_C.estimate(json.dumps(request)))
 
 
-def choose_strategy(
-    blocks: list[dict[str, Any]],
-    groups: ParoGroups,
-    *,
-    links: LinkCalibration,
-    memory_budget: int,
-    grad_accum: int,
-    sizes: dict[str, int],
-    tokens_per_micro_step: int | None = None,
-    activation_checkpointing: bool = False,
-    only: str | None = None,
-    shared_cores: bool = False,
-) -> tuple[str, dict[str, Any]]:
-    """Rank 0 asks the cost model for the fastest strategy that fits; every rank gets the same answer.
-
-    With ``tokens_per_micro_step`` (and a measured compute throughput) the predicted step includes compute, which
-    hides communication (``activation_checkpointing`` adds the recomputation); without it, the step is the
-    communication schedule alone. With ``only``, checks that this one strategy fits instead of choosing.
-    ``shared_cores``: CPU ranks (see ``_request``).
+def choose_strategy(report: dict[str, Any], groups: ParoGroups, *, memory_budget: int, only: str | None = None) -> str:
+    """Rank 0's choice in its ``report`` (``estimate``'s), on every rank: the fastest strategy that fits, or ``only``.
 
     Raises:
         ValueError: nothing (or ``only``) fits the memory budget, raised on every rank, with what it needs.
     """
-    report = estimate(blocks, groups, links=links, memory_budget=memory_budget, grad_accum=grad_accum, sizes=sizes,
-                      tokens_per_micro_step=tokens_per_micro_step, activation_checkpointing=activation_checkpointing,
-                      only=only, shared_cores=shared_cores)  # fmt: skip
     codes = _C.STRATEGIES
     choice = report["choice"]
     index = torch.tensor([codes.index(choice["code"]) if choice else -1], dtype=torch.int64)
@@ -608,4 +591,4 @@ def choose_strategy(
             f"strategy='auto' found no strategy that fits {memory_budget / 1e9:.2f} GB per rank: {report['reason']}. "
             "Raise memory_budget, use more ranks per group or a smaller model."
         )
-    return codes[int(index.item())], report
+    return codes[int(index.item())]

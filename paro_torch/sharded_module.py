@@ -44,6 +44,7 @@ from paro_torch.auto import (
     LinkCalibration,
     choose_strategy,
     default_memory_budget,
+    estimate,
     measure_links,
     model_flops,
     probe_model,
@@ -273,7 +274,8 @@ class ParoShardedModule(nn.Module):
                 flops = model_flops(self.cost_blocks, self.groups, tokens_per_micro_step, _checkpointed(module))
                 links = probe_model(links, self.groups, module, example_inputs, flops, self.device, dtype=param_dtype)
             self.links = links
-            code, self.plan = choose_strategy(
+            only = None if auto else parsed.code if parsed else None
+            self.plan = estimate(
                 self.cost_blocks,
                 self.groups,
                 links=links,
@@ -282,9 +284,10 @@ class ParoShardedModule(nn.Module):
                 sizes=self.precision.bytes(),
                 tokens_per_micro_step=tokens_per_micro_step,
                 activation_checkpointing=checkpointing,
-                only=None if auto else parsed.code if parsed else None,
+                only=only,
                 shared_cores=self.device.type == "cpu",
             )
+            code = choose_strategy(self.plan, self.groups, memory_budget=budget, only=only)
             if auto and self.groups.rank == 0:
                 logger.info("paro: strategy='auto'\n%s", format_report(self.plan))
             parsed = _C.Strategy(code)

@@ -12,7 +12,7 @@ from engine import Block, make
 import paro_torch
 from paro_torch import ParoShardedModule
 from paro_torch._groups import build_groups
-from paro_torch.auto import LinkCalibration, choose_strategy, measure_links, model_flops
+from paro_torch.auto import LinkCalibration, estimate, measure_links, model_flops
 
 
 def agree(code: str) -> None:
@@ -88,9 +88,8 @@ def main() -> None:
         assert with_compute["step"]["optimizer_s"] > 0 and with_compute["step"]["step_s"] > without["step"]["step_s"]
     assert not any("compute_flops" in note for note in timed.plan["notes"]), timed.plan["notes"]
     # CPU ranks share their cores between compute and intra-group collectives: the plan says so to the cost model
-    _, shared = choose_strategy(timed.cost_blocks, groups, links=saved, memory_budget=budget,
-                                grad_accum=timed.plan["grad_accum"], sizes=timed.precision.bytes(),
-                                tokens_per_micro_step=64, shared_cores=True)  # fmt: skip
+    shared = estimate(timed.cost_blocks, groups, links=saved, memory_budget=budget, grad_accum=timed.plan["grad_accum"],
+                      sizes=timed.precision.bytes(), tokens_per_micro_step=64, shared_cores=True)  # fmt: skip
     assert shared["strategies"] == timed.plan["strategies"]
 
     # the model's own forward and backward as the compute probe (example_inputs): its throughput is the cost
