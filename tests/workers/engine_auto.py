@@ -32,9 +32,10 @@ def main() -> None:
     start = time.perf_counter()
     links = measure_links(groups)
     probe = time.perf_counter() - start
-    # links, MLP and AdamW steps (the first one in a process loads the optimizer's code: ~1 s) and the overlap
-    # of each level's gathers with compute (3 trials of three 0.1 s loops): a few seconds for 4 ranks on 2 cores
-    assert probe < 12.0, f"the probe took {probe:.2f}s"
+    # links, MLP and AdamW steps (a window of at least 1 s each; the first AdamW step in a process loads the
+    # optimizer's code: ~1 s) and the overlap of each level's gathers with compute (3 trials of three 0.1 s loops):
+    # about 12 s for 4 ranks on 2 cores
+    assert probe < 16.0, f"the probe took {probe:.2f}s"
     assert links.intra_bandwidth > 0 and links.inter_bandwidth > 0, links
     # the engine's own reduce-scatter, timed apart (on Gloo an all-to-all and a sum: not the all-gather's speed)
     assert links.intra_reduce_scatter_bandwidth and links.inter_reduce_scatter_bandwidth, links
