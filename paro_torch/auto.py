@@ -528,10 +528,9 @@ def model_flops(
 ) -> float:
     """The FLOPs the cost model counts for one forward and backward of the model (its ``blocks``) on ``tokens``."""
     unit_rate = LinkCalibration(1.0, 1.0, 0.0, 0.0, compute_flops=1.0)  # 1 FLOP/s: seconds are FLOPs
-    training = {"grad_accum": 1, "activation_checkpointing": activation_checkpointing}
-    request = _request(blocks, groups, unit_rate, 1 << 62, training, tokens)
-    request["strategies"] = ["NNN"]
-    report = json.loads(_C.estimate(json.dumps(request)))
+    report = estimate(blocks, groups, links=unit_rate, memory_budget=1 << 62, grad_accum=1, sizes={},
+                      tokens_per_micro_step=tokens, activation_checkpointing=activation_checkpointing,
+                      only="NNN")  # fmt: skip
     return float(report["strategies"][0]["step"]["compute_s"])
 
 
