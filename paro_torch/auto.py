@@ -519,7 +519,7 @@ def _request(
         "model": {"blocks": blocks},
         "cluster": cluster,
         "training": training,
-        "collectives": "hierarchical",
+        "collectives": "phased",  # the engine issues a global call's levels one after the other on its lane
     }
 
 

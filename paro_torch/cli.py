@@ -115,9 +115,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--collectives",
-        choices=("flat", "hierarchical"),
+        choices=("flat", "hierarchical", "phased"),
         default="hierarchical",
-        help="global collectives as one ring over all ranks, or intra + inter phases as the paro backend runs them",
+        help="global collectives as one ring over all ranks, intra + inter phases pipelined as the paro backend "
+        "runs them, or the same phases one after the other as ParoShardedModule issues them",
     )
     plan.add_argument(
         "--strategies", metavar="LIST", help="comma-separated codes or aliases to consider, e.g. IIG,III,zero3"

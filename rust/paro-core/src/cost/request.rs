@@ -156,6 +156,9 @@ pub enum CollectiveAlgorithm {
     /// level works on a chunk while the other works on the next.
     #[default]
     Hierarchical,
+    /// The same phases and bytes one after the other, each a call of its own: what the engine
+    /// (`ParoShardedModule`) issues on its communication lane, so their times add up.
+    Phased,
 }
 
 /// Tolerances of the `auto` choice.

@@ -256,6 +256,23 @@ fn volumes_match_the_ring_formulas_at_scale() {
     assert!((nnn.time_s - expected).abs() < 1e-9 * expected);
     // Intra- and inter-level collectives are the same in both algorithms.
     assert_eq!(find(&flat, "III").collectives, find(&report, "III").collectives);
+    // Phased (the engine): the hierarchical bytes, each global call its levels' times in a row, where the
+    // pipelined one takes the slower level's and one chunk of the faster's. NNN's all-reduce: an intra
+    // reduce-scatter and all-gather (2·7 steps, 2·7X/8 bytes at 150 GB/s), an inter all-reduce of X/8 (2·7 steps,
+    // 2·7/8 of it at 12.5 GB/s).
+    req.collectives = CollectiveAlgorithm::Phased;
+    let phased = estimate(&req).unwrap();
+    let nnn = find(&phased, "NNN");
+    let expected = 14.0 * 5e-6 + (2 * 7 * x / 8) as f64 / 150e9 + 14.0 * 2e-5 + (2 * 7 * (x / 8) / 8) as f64 / 12.5e9;
+    assert!((nnn.time_s - expected).abs() < 1e-9 * expected, "{} vs {expected}", nnn.time_s);
+    assert!(find(&report, "NNN").time_s < 0.9 * expected);
+    for code in ["NNN", "GGG", "III"] {
+        let (p, h) = (find(&phased, code), find(&report, code));
+        assert_eq!((p.intra_bytes, p.inter_bytes), (h.intra_bytes, h.inter_bytes), "{code}");
+        for (pc, hc) in p.collectives.iter().zip(&h.collectives) {
+            assert_eq!(pc.time_s > hc.time_s, pc.level == Level::Global, "{code}: {pc:?} vs {hc:?}");
+        }
+    }
 }
 
 #[test]

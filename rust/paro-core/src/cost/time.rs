@@ -2,6 +2,7 @@
 //! pipelined on chunks, as the paro backend runs them), a unit's forward and backward (FLOPs over the rank's
 //! throughput) and the optimizer step (the os shard over the optimizer's throughput).
 
+use super::request::CollectiveAlgorithm;
 use super::traffic::{Call, Traffic};
 use super::Context;
 use crate::comm::{Collective, Level};
@@ -39,7 +40,7 @@ impl Context<'_> {
 
     /// Seconds of one call alone. A hierarchical global call cuts its per-rank message into the backend's chunks
     /// (`ChunkPolicy::count`) so that one level works on chunk k+1 while the other works on chunk k: the slower
-    /// level's time plus one chunk of the faster one.
+    /// level's time plus one chunk of the faster one. A phased one takes both levels' times in a row.
     pub(super) fn call_seconds(&self, c: &Call) -> f64 {
         let (a, b) = self.level_seconds(&c.traffic, false);
         self.pipelined(c, a, b)
@@ -47,7 +48,7 @@ impl Context<'_> {
 
     /// Seconds of call `c` whose intra-group part takes `a` seconds and inter-group part `b` (see `call_seconds`).
     pub(super) fn pipelined(&self, c: &Call, a: f64, b: f64) -> f64 {
-        if a == 0.0 || b == 0.0 || c.level != Level::Global {
+        if a == 0.0 || b == 0.0 || c.level != Level::Global || self.req.collectives == CollectiveAlgorithm::Phased {
             return a + b;
         }
         let per_rank = if c.op == Collective::AllReduce { c.payload } else { c.payload / self.n };

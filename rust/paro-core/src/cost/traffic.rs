@@ -258,7 +258,7 @@ impl Context<'_> {
             Level::Intra => intra(op, x),
             Level::Inter => inter(op, x),
             Level::Global => match self.req.collectives {
-                CollectiveAlgorithm::Hierarchical => {
+                CollectiveAlgorithm::Hierarchical | CollectiveAlgorithm::Phased => {
                     let slice = x / self.m;
                     match op {
                         Collective::AllGather => {
