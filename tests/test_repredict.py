@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # recorded by the cost model as it is now: every paro cell and auto's picks must come out as recorded
-RECORDED = ROOT / "benchmarks" / "results" / "training-2x2-200mbit-shared.json"
+RECORDED = ROOT / "benchmarks" / "results" / "training-2x2-1gbit-run6.json"
 
 
 def repredict(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict]:
