@@ -96,9 +96,8 @@ pub struct Cluster {
     /// Whether the ranks of a group compute and move their intra-group bytes on the same CPU cores (CPU training;
     /// `paro_torch` sets it for CPU ranks). Then a rank that waits for an intra-group collective does not free the
     /// cores for it: the ranks sharing them compute meanwhile, so intra-group collectives run at their speed beside
-    /// compute (`intra_slowdown`) for the whole step; and while one runs beside this rank's compute, the compute
-    /// stops (`intra_overlap` does not apply): an intra-group collective's slowed time adds to the step. Inter-group
-    /// transfers are bound by the link, not the cores, and keep their speed alone while the rank waits.
+    /// compute (`intra_slowdown`) for the whole step. Inter-group transfers are bound by the link, not the cores,
+    /// and keep their speed alone while the rank waits.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub shared_cores: bool,
 }

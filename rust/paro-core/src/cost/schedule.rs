@@ -15,8 +15,7 @@
 //! 1 / slowdown of its speed alone, and compute loses (1 − overlap) seconds per second of collective work done
 //! beside it. With both figures 1 (GPUs; the default) every task runs at full speed. Where the ranks of a group
 //! share CPU cores (`Cluster::shared_cores`), an intra-group collective runs at its slowed speed even while this
-//! rank's compute waits for it (the ranks beside it compute on the cores it would need), and compute stops while
-//! it runs (the cores are busy either way): its slowed time adds to the step whether it overlaps or not.
+//! rank's compute waits for it: the ranks beside it compute on the cores it would need.
 
 use serde::{Deserialize, Serialize};
 
@@ -78,7 +77,7 @@ struct Task {
     work: f64,
     deps: Vec<usize>,
     level: Option<Level>,
-    /// A collective's: compute seconds lost per second of its work done beside compute (its slowdown at most), its
+    /// A collective's: compute seconds lost per second of its work done beside compute (at most 1), its
     /// slowdown there, and its slowdown while this rank's compute waits (1 unless cores are shared).
     cost: f64,
     slowdown: f64,
@@ -236,22 +235,20 @@ impl Context<'_> {
                     Level::Global => &[1, 2],
                 };
                 let (intra, inter) = self.level_seconds(&c.traffic, false);
-                let seconds = self.pipelined(c, intra, inter); // call_seconds, from the levels' parts
+                let seconds = self.joined(c, intra, inter); // call_seconds, from the levels' parts
                 let task = sim.run(slots, seconds, &[last, memory], Some(c.level));
-                // a call on both levels (pipelined or, for a flat call, timed on the inter level alone): its
-                // levels' slowdowns stretch their parts, and compute loses their overlaps' average by time
+                // a call on both levels (pipelined, in a row or, for a flat call, timed on the inter level alone):
+                // its levels' slowdowns stretch their parts, and compute loses their overlaps' average by time
                 let cluster = &self.req.cluster;
                 if seconds > 0.0 {
                     let (lost_intra, lost_inter) =
                         (1.0 - cluster.intra_overlap.unwrap_or(1.0), 1.0 - cluster.inter_overlap.unwrap_or(1.0));
                     let (slow_intra, slow_inter) = self.level_seconds(&c.traffic, true);
                     let t = &mut sim.tasks[task];
-                    // on shared cores the intra part stops compute for as long as it runs (its slowed seconds)
-                    let lost_intra = if cluster.shared_cores { slow_intra } else { lost_intra * intra };
-                    t.cost = (lost_intra + lost_inter * inter) / (intra + inter);
-                    t.slowdown = self.pipelined(c, slow_intra, slow_inter) / seconds;
+                    t.cost = (lost_intra * intra + lost_inter * inter) / (intra + inter);
+                    t.slowdown = self.joined(c, slow_intra, slow_inter) / seconds;
                     if cluster.shared_cores {
-                        t.idle_slowdown = self.pipelined(c, slow_intra, inter) / seconds;
+                        t.idle_slowdown = self.joined(c, slow_intra, inter) / seconds;
                     }
                 }
                 last = Some(task);

@@ -1,6 +1,7 @@
 //! Time of the parts of a step: a collective call (α–β per level; the two levels of a hierarchical call run
-//! pipelined on chunks, as the paro backend runs them), a unit's forward and backward (FLOPs over the rank's
-//! throughput) and the optimizer step (the os shard over the optimizer's throughput).
+//! pipelined on chunks, as the paro backend runs them, those of a phased one in a row, as the engine issues them),
+//! a unit's forward and backward (FLOPs over the rank's throughput) and the optimizer step (the os shard over the
+//! optimizer's throughput).
 
 use super::request::CollectiveAlgorithm;
 use super::traffic::{Call, Traffic};
@@ -43,11 +44,11 @@ impl Context<'_> {
     /// level's time plus one chunk of the faster one. A phased one takes both levels' times in a row.
     pub(super) fn call_seconds(&self, c: &Call) -> f64 {
         let (a, b) = self.level_seconds(&c.traffic, false);
-        self.pipelined(c, a, b)
+        self.joined(c, a, b)
     }
 
     /// Seconds of call `c` whose intra-group part takes `a` seconds and inter-group part `b` (see `call_seconds`).
-    pub(super) fn pipelined(&self, c: &Call, a: f64, b: f64) -> f64 {
+    pub(super) fn joined(&self, c: &Call, a: f64, b: f64) -> f64 {
         if a == 0.0 || b == 0.0 || c.level != Level::Global || self.req.collectives == CollectiveAlgorithm::Phased {
             return a + b;
         }
