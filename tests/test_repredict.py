@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# recorded by the cost model as it is now (759a6d4; LoRA, NNN, IIG, NGG and auto at 2 x 2 / 1 Gbit/s): every paro
-# cell and auto's picks must come out as recorded
+# recorded by the cost model as it is now (759a6d4): every paro cell and auto's picks must come out as recorded. A
+# change to the model records it again (as root, ~4 min): python3 benchmarks/training.py --nodes 2 --per-node 2
+#   --rate 1gbit --scenarios lora --only 'paro:NNN,paro:IIG,paro:NGG,paro:auto' --repeats 1 --suffix fixture
 RECORDED = ROOT / "benchmarks" / "results" / "training-2x2-1gbit-fixture.json"
 
 
