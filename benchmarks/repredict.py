@@ -1,11 +1,12 @@
 """Re-predicts a training benchmark's cells with the installed cost model (issue #15's model development).
 
-A training run records, per cell, the figures its own probe measured (``extra.links``) and the step time it measured.
-This rebuilds each cell's cost-model request as the engine built it (the benchmark's model and scenario, units from
-the decoder layers, the run's links; see ``_training_worker.py`` and ``ParoShardedModule``) and asks the cost model
-again, so a change to the model can be checked against every measured cell in seconds instead of a new run. The
-output is the input JSON with the predictions (and auto's picks) replaced; ``benchmarks/step_model.py`` reports on
-it. With an unchanged model the predictions must equal the recorded ones (``--check``).
+A training run records, per cell, the figures its own probe measured (``extra.links``; its overlap figures are
+derived again from the probe's recorded loops where it has them) and the step time it measured. This rebuilds each
+cell's cost-model request as the engine built it (the benchmark's model and scenario, units from the decoder layers,
+the run's links; see ``_training_worker.py`` and ``ParoShardedModule``) and asks the cost model again, so a change to
+the model can be checked against every measured cell in seconds instead of a new run. The output is the input JSON
+with the predictions (and auto's picks) replaced; ``benchmarks/step_model.py`` reports on it. With an unchanged model
+and probe the predictions must equal the recorded ones (``--check``).
 
     python3 benchmarks/repredict.py results/training-2x2-200mbit-busy.json --out-dir /tmp/re [--check]
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import sys
@@ -36,6 +38,7 @@ class _Shape:
 
     def __init__(self, world: int, group_size: int) -> None:
         self.world, self.group_size = world, group_size
+        self.num_groups = world // group_size
 
 
 def blocks_of(cfg: dict[str, Any], scenario: str, groups: _Shape) -> list[dict[str, Any]]:
@@ -75,15 +78,19 @@ def repredict(
             continue
         if run["scenario"] not in blocks:
             blocks[run["scenario"]] = blocks_of(cfg, run["scenario"], groups)
-        links = LinkCalibration(**(extra["links"] | overrides))
-        auto = run["variant"] == "paro:auto"
-        only = None if auto else extra["strategy"]
+        links = LinkCalibration(**extra["links"])
+        if links.overlap_loops is not None:  # the overlap figures as the installed probe derives them
+            figures = auto.overlaps_from_loops(links, (groups.group_size, groups.num_groups))
+            links = dataclasses.replace(links, **figures)
+        links = dataclasses.replace(links, **overrides)
+        is_auto = run["variant"] == "paro:auto"
+        only = None if is_auto else extra["strategy"]
         report = estimate(blocks[run["scenario"]], groups, cfg, links, only, shared_cores)
         mine = next(s for s in report["strategies"] if s["code"] == extra["strategy"])
         old = extra["predicted"]["step"]["step_s"]
         largest = max(largest, abs(mine["step"]["step_s"] - old) / old)
         extra["predicted"].update(time_s=mine["time_s"], step=mine["step"])
-        if auto:
+        if is_auto:
             extra["auto_choice"] = report["choice"]["code"] if report.get("choice") else None
     return out, largest
 

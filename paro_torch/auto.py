@@ -70,6 +70,9 @@ class LinkCalibration:
     ``intra_slowdown``)."""
     inter_reduce_scatter_slowdown: float | None = None
     """The same for inter-group reduce-scatters."""
+    overlap_loops: dict[str, list[float]] | None = None
+    """The overlap probe's timings the overlap figures come from, by level and collective ("intra_all_gather", ...):
+    ``OverlapLoops``' fields, the ranks' median of each (None: not measured)."""
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Writes the figures as JSON (reuse them with ``PARO_CALIBRATION=path``)."""
@@ -223,22 +226,43 @@ class Overlap:
     slowdown: float
 
 
-def _rates(compute: float, gathers: float, compute_beside: float, gathers_beside: float) -> Overlap:
-    """The rate model solved for a compute loop and a gather loop timed alone and started together.
+@dataclass(frozen=True)
+class OverlapLoops:
+    """What ``measure_overlap`` timed, each loop's own seconds alone and both started together.
 
-    ``compute_beside`` and ``gathers_beside`` are each loop's own elapsed time when they ran at once. The loop that
-    ends first ran beside the other all along; the other ran alone for the rest of its time.
+    A compute loop, and a loop of ``calls`` collectives on ``nbytes`` each (the gather's output, the scatter's input).
     """
-    if gathers_beside <= compute_beside:  # the gathers ran beside compute all along
-        slowdown = gathers_beside / gathers
-        work_beside = gathers
-    else:  # compute ended first: the gathers did the rest of their work alone, at full speed
-        # Below a tenth of the loop the work done beside compute is timing noise (8 ranks on 2 cores: the gathers
-        # all but stop while compute runs), and the figures divided by it would be too: they saturate there.
-        work_beside = max(gathers - (gathers_beside - compute_beside), 0.1 * gathers)
-        slowdown = compute_beside / work_beside
-    lost = (compute_beside - compute) / work_beside
-    return Overlap(fraction=min(max(1.0 - lost, 0.0), 1.0), slowdown=min(max(slowdown, 1.0), 100.0))
+
+    compute: float
+    collectives: float
+    compute_beside: float
+    collectives_beside: float
+    calls: int
+    nbytes: int
+
+    def alone_seconds(self, group_size: int, bandwidth: float, latency: float) -> float:
+        """The collectives' seconds alone as the cost model prices them (ring steps' latency, then the bytes)."""
+        steps = group_size - 1
+        return self.calls * (steps * latency + self.nbytes * steps / group_size / bandwidth)
+
+    def rates(self, alone: float | None = None) -> Overlap:
+        """The rate model's figures, with ``alone`` (default: the loop timed alone) as the collectives' work.
+
+        Given the calibration's price of the loop as ``alone``, the cost model's product of the two (the
+        collectives' seconds beside compute) is what the probe timed beside compute, whatever the calibration read
+        (it is measured in another launch: at 2 x 2 on 2 cores its intra bandwidth read 259-376 MB/s between runs).
+        The collectives are taken to run beside compute for their whole loop: where this rank's compute ends first,
+        the other ranks' compute goes on beside them on shared cores (the rest of the loop run alone, as a rate
+        model with two phases solves it, read slowdowns of 5.7-8.2 where the loops' ratio was 2: a difference of
+        two noisy times divided by a small one). Compute lost ``compute_beside - compute`` over the share of that
+        work done while it ran.
+        """
+        work = alone if alone is not None else self.collectives
+        beside = self.collectives_beside
+        slowdown = beside / work
+        work_beside = work * min(self.compute_beside / beside, 1.0)
+        lost = (self.compute_beside - self.compute) / work_beside
+        return Overlap(fraction=min(max(1.0 - lost, 0.0), 1.0), slowdown=min(max(slowdown, 1.0), 100.0))
 
 
 def measure_overlap(
@@ -250,8 +274,8 @@ def measure_overlap(
     trials: int = 3,
     align: dist.ProcessGroup | None = None,
     op: str = "all_gather",
-) -> Overlap:
-    """How communication over ``group`` and compute share this rank when they run at once (see ``Overlap``).
+) -> OverlapLoops:
+    """How communication over ``group`` and compute share this rank when they run at once (see ``OverlapLoops``).
 
     Times a loop of compute steps (``step``, default an MLP block's forward and backward) alone (at least
     ``loop_s``: shorter loops are mostly scheduling noise), a loop of the engine's all-gathers (or, with ``op``
@@ -304,11 +328,9 @@ def measure_overlap(
     n = torch.tensor([repeats, min(max(round(repeats * one_step / max(one_gather, 1e-9)), 1), 256)], device=device)
     dist.all_reduce(n, op=dist.ReduceOp.MAX, group=align or group)  # the same loops everywhere
     repeats, gathers_per_loop = int(n[0]), int(n[1])
-    runs = []
-    for _ in range(trials):
-        runs.append(_rates(timed(computes), timed(gathers), *both()))
-    median = len(runs) // 2
-    return Overlap(fraction=sorted(r.fraction for r in runs)[median], slowdown=sorted(r.slowdown for r in runs)[median])
+    runs = [(timed(computes), timed(gathers), *both()) for _ in range(trials)]
+    medians = [sorted(figure)[len(runs) // 2] for figure in zip(*runs, strict=True)]
+    return OverlapLoops(*medians, calls=gathers_per_loop, nbytes=nbytes)
 
 
 def measure_links(
@@ -351,13 +373,9 @@ def measure_links(
         return links
     seconds = torch.tensor([1 / x for x in measure_throughputs(device, repeats, groups.whole)], dtype=torch.float64)
     seconds = _ranks_mean(seconds.to(device), groups)
-    return dataclasses.replace(
-        links,
-        compute_flops=1 / float(seconds[0]),
-        compute_probe="mlp block",
-        optimizer_params_per_s=1 / float(seconds[1]),
-        **_overlaps(groups, device),
-    )
+    throughputs = {"compute_flops": 1 / float(seconds[0]), "optimizer_params_per_s": 1 / float(seconds[1])}
+    links = dataclasses.replace(links, compute_probe="mlp block", **throughputs)
+    return _overlaps(links, groups, device)
 
 
 def _ranks_mean(seconds: torch.Tensor, groups: ParoGroups) -> torch.Tensor:
@@ -371,26 +389,51 @@ def _ranks_mean(seconds: torch.Tensor, groups: ParoGroups) -> torch.Tensor:
     return seconds / groups.world
 
 
-def _overlaps(groups: ParoGroups, device: torch.device, step: Any = None) -> dict[str, float]:
-    """``measure_overlap`` of both levels as ``LinkCalibration`` fields: the ranks' median, 1 for a level of one rank.
+_PROBED = [(level, op) for level in ("intra", "inter") for op in ("all_gather", "reduce_scatter")]
 
-    The all-gathers give the level's overlap and slowdown; the reduce-scatters their own slowdown. The median, not
-    the mean: on shared cores one rank's figure can read several times the others' (a noisy figure, not a bound).
+
+def overlaps_from_loops(links: LinkCalibration, group_sizes: tuple[int, int]) -> dict[str, float]:
+    """The overlap figures (``LinkCalibration`` fields) from ``links.overlap_loops``, priced by ``links``' own links.
+
+    ``group_sizes``: the ranks of an intra-group and of an inter-group. The gathers give a level's overlap and
+    slowdown; the reduce-scatters their own slowdown.
     """
-    found = [
-        measure_overlap(device, pg, step, align=groups.whole, op=op) if pg is not None else Overlap(1.0, 1.0)
-        for pg in (groups.intra, groups.inter)
-        for op in ("all_gather", "reduce_scatter")
-    ]
-    t = torch.tensor([x for o in found for x in (o.fraction, o.slowdown)], dtype=torch.float64, device=device)
+    assert links.overlap_loops is not None
+    figures = {}
+    for (level, op), k in zip(_PROBED, (group_sizes[0],) * 2 + (group_sizes[1],) * 2, strict=True):
+        if k == 1:
+            rates = Overlap(1.0, 1.0)
+        else:
+            bandwidth = getattr(links, f"{level}_bandwidth")
+            if op == "reduce_scatter":
+                bandwidth = getattr(links, f"{level}_reduce_scatter_bandwidth") or bandwidth
+            loops = OverlapLoops(*links.overlap_loops[f"{level}_{op}"])
+            rates = loops.rates(loops.alone_seconds(k, bandwidth, getattr(links, f"{level}_latency")))
+        if op == "all_gather":
+            figures |= {f"{level}_overlap": rates.fraction, f"{level}_slowdown": rates.slowdown}
+        else:
+            figures[f"{level}_reduce_scatter_slowdown"] = rates.slowdown
+    return figures
+
+
+def _overlaps(links: LinkCalibration, groups: ParoGroups, device: torch.device, step: Any = None) -> LinkCalibration:
+    """``links`` with ``measure_overlap``'s loops of both levels and the overlap figures they give.
+
+    Each loop figure is the ranks' median (``overlaps_from_loops`` prices them); the median, not the mean: on shared
+    cores one rank's figure can read several times the others' (a noisy figure, not a bound).
+    """
+    loops = []
+    for level, op in _PROBED:
+        pg = groups.intra if level == "intra" else groups.inter
+        found = measure_overlap(device, pg, step, align=groups.whole, op=op) if pg is not None else None
+        loops.append(dataclasses.astuple(found) if found is not None else (0.0,) * 6)
+    t = torch.tensor(loops, dtype=torch.float64, device=device)
     every = [torch.empty_like(t) for _ in range(groups.world)]
     dist.all_gather(every, t, group=groups.whole)
     t = torch.quantile(torch.stack(every), 0.5, dim=0)  # of an even count: the mean of the middle two
-    figures = {}
-    for i, level in enumerate(("intra", "inter")):  # t: (fraction, slowdown) of the gathers, then the scatters
-        figures |= {f"{level}_overlap": float(t[4 * i]), f"{level}_slowdown": float(t[4 * i + 1]),
-                    f"{level}_reduce_scatter_slowdown": float(t[4 * i + 3])}  # fmt: skip
-    return figures
+    recorded = {f"{level}_{op}": [float(x) for x in row] for (level, op), row in zip(_PROBED, t, strict=True)}
+    links = dataclasses.replace(links, overlap_loops=recorded)
+    return dataclasses.replace(links, **overlaps_from_loops(links, (groups.group_size, groups.num_groups)))
 
 
 def calibrate(
@@ -458,7 +501,7 @@ def probe_model(
 
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         seconds = [_mean_seconds(step, repeats, groups.whole)]
-        overlaps = _overlaps(groups, device, step)
+        links = _overlaps(links, groups, device, step)
     for p, g in zip(params, grads, strict=True):
         p.grad = g
     with torch.no_grad():
@@ -479,7 +522,6 @@ def probe_model(
         compute_flops=flops / float(t[0]),
         compute_probe="model",
         optimizer_params_per_s=1 / float(t[1]) if shapes else links.optimizer_params_per_s,
-        **overlaps,
     )
 
 

@@ -81,27 +81,36 @@ def test_plan_bytes_for_a_ring_all_gather() -> None:
 
 
 @pytest.mark.parametrize(
-    "loops,slowdown,fraction",
+    "loops,alone,slowdown,fraction",
     [
-        # compute (1 s alone) ends first, at 4/3 s (0.75 of its speed beside the gathers); the gathers did 2/3 s of
-        # their work beside it at half speed, the last 1/3 alone: 5/3 s
-        ((1.0, 1.0, 4 / 3, 5 / 3), 2.0, 0.5),
         # the gathers (1 s alone) end first, at 2 s; compute did 1.5 of its 2 s beside them, the rest alone
-        ((2.0, 1.0, 2.5, 2.0), 2.0, 0.5),
+        ((2.0, 1.0, 2.5, 2.0), None, 2.0, 0.5),
+        # compute (1 s alone) ends first, at 4/3 s: the gathers ran beside compute (the other ranks' on shared
+        # cores) all along, at 3/5 of their speed; compute lost 1/3 s over the 4/5 of their work done beside it
+        ((1.0, 1.0, 4 / 3, 5 / 3), None, 5 / 3, 1 - (1 / 3) / 0.8),
         # no effect either way
-        ((1.0, 1.0, 1.0, 1.0), 1.0, 1.0),
-        # the gathers all but stopped beside compute (1/100 of their work in 1 s), which lost 0.02 s: the work
-        # beside compute is taken as a tenth of the loop, so neither figure comes from dividing by noise
-        ((1.0, 1.0, 1.02, 1.01 + 1.0), 1.02 / 0.1, 0.8),
+        ((1.0, 1.0, 1.0, 1.0), None, 1.0, 1.0),
+        # priced by the calibration at 0.25 s (the probe's own loop alone read 0.5 s): the product of the slowdown
+        # and that price is the 1 s the gathers took beside compute; compute lost 0.2 s over their 0.25 s of work
+        ((1.0, 0.5, 1.2, 1.0), 0.25, 4.0, 0.2),
     ],
 )
-def test_overlap_probe_solves_the_cost_models_rate_model(
-    loops: tuple[float, float, float, float], slowdown: float, fraction: float
+def test_overlap_probe_gives_the_cost_models_rate_model(
+    loops: tuple[float, float, float, float], alone: float | None, slowdown: float, fraction: float
 ) -> None:
-    """The probe's loops, timed as the rate model of rust/paro-core/src/cost/schedule.rs runs them, give back its
-    figures: collectives at 1 / slowdown beside compute, compute losing 1 - fraction per second of their work."""
-    from paro_torch.auto import _rates
+    """The probe's loops give the figures of the rate model of rust/paro-core/src/cost/schedule.rs: collectives at
+    1 / slowdown beside compute, compute losing 1 - fraction per second of their work."""
+    from paro_torch.auto import OverlapLoops
 
-    got = _rates(*loops)
+    got = OverlapLoops(*loops, calls=1, nbytes=1).rates(alone)
     assert got.slowdown == pytest.approx(slowdown, abs=1e-12)
     assert got.fraction == pytest.approx(fraction, abs=1e-12)
+    assert got.slowdown * (alone or loops[1]) == pytest.approx(loops[3], abs=1e-12)  # the gathers' time beside
+
+
+def test_overlap_loops_are_priced_as_the_cost_model_prices_a_ring() -> None:
+    """Three all-gathers of 4 KiB over 4 ranks: each 3 ring steps of latency and 3/4 of the bytes received."""
+    from paro_torch.auto import OverlapLoops
+
+    loops = OverlapLoops(1.0, 1.0, 1.0, 1.0, calls=3, nbytes=4096)
+    assert loops.alone_seconds(4, bandwidth=1024.0, latency=0.01) == pytest.approx(3 * (3 * 0.01 + 3.0), abs=1e-12)

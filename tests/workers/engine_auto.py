@@ -12,7 +12,7 @@ from engine import Block, make
 import paro_torch
 from paro_torch import ParoShardedModule
 from paro_torch._groups import build_groups
-from paro_torch.auto import LinkCalibration, estimate, measure_links, model_flops
+from paro_torch.auto import LinkCalibration, estimate, measure_links, model_flops, overlaps_from_loops
 
 
 def agree(code: str) -> None:
@@ -45,9 +45,13 @@ def main() -> None:
     figures = [links.intra_latency, links.inter_latency, links.intra_bandwidth, links.inter_bandwidth,
                links.compute_flops, links.optimizer_params_per_s, links.intra_reduce_scatter_bandwidth,
                links.inter_reduce_scatter_bandwidth]  # fmt: skip
-    every: list[list[float] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, figures)
-    assert all(e == figures for e in every), f"the ranks' figures differ: {every}"
+    # the overlap probe's loops are recorded (every level and collective) and give back its figures
+    assert links.overlap_loops is not None and len(links.overlap_loops) == 4, links
+    derived = overlaps_from_loops(links, (groups.group_size, groups.num_groups))
+    assert derived == {k: getattr(links, k) for k in derived}, (derived, links)
+    every: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, [figures, links.overlap_loops])
+    assert all(e == [figures, links.overlap_loops] for e in every), f"the ranks' figures differ: {every}"
 
     # a generous budget: the cost model's fastest strategy, the same on every rank
     model = ParoShardedModule(make("plain"), "auto", process_groups=pgs, wrap_policy={Block}, memory_budget=10**9)
