@@ -88,8 +88,11 @@ class LinkCalibration:
 
 
 def _sync(device: torch.device) -> Any:
-    """A function that waits for the device's queued work (nothing to wait for on the CPU)."""
-    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    """A function that waits for the work queued on the calling thread's current stream (nothing on the CPU).
+
+    The current stream's, not the whole device's: the overlap probe's compute must not wait for its collectives.
+    """
+    return (lambda: torch.cuda.current_stream(device).synchronize()) if device.type == "cuda" else (lambda: None)
 
 
 def _gather_buffers(pg: dist.ProcessGroup, nbytes: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,15 +231,22 @@ class Overlap:
 
 @dataclass(frozen=True)
 class OverlapLoops:
-    """What ``measure_overlap`` timed, each loop's own seconds alone and both started together.
+    """What ``measure_overlap`` timed (seconds).
 
-    A compute loop, and a loop of ``calls`` collectives on ``nbytes`` each (the gather's output, the scatter's input).
+    Compute steps, and a loop of ``calls`` collectives on ``nbytes`` each (the gather's output, the scatter's input),
+    each alone, then compute steps run for as long as the collectives' loop ran beside them.
     """
 
-    compute: float
+    step: float
+    """One compute step alone."""
     collectives: float
-    compute_beside: float
+    """The collectives' loop alone."""
     collectives_beside: float
+    """The collectives' loop beside compute."""
+    steps_beside: int
+    """The compute steps run beside it (the last one may end after it)."""
+    compute_beside: float
+    """Those steps' seconds."""
     calls: int
     nbytes: int
 
@@ -248,21 +258,17 @@ class OverlapLoops:
     def rates(self, alone: float | None = None) -> Overlap:
         """The rate model's figures, with ``alone`` (default: the loop timed alone) as the collectives' work.
 
-        Given the calibration's price of the loop as ``alone``, the cost model's product of the two (the
-        collectives' seconds beside compute) is what the probe timed beside compute, whatever the calibration read
-        (it is measured in another launch: at 2 x 2 on 2 cores its intra bandwidth read 259-376 MB/s between runs).
-        The collectives are taken to run beside compute for their whole loop: where this rank's compute ends first,
-        the other ranks' compute goes on beside them on shared cores (the rest of the loop run alone, as a rate
-        model with two phases solves it, read slowdowns of 5.7-8.2 where the loops' ratio was 2: a difference of
-        two noisy times divided by a small one). Compute lost ``compute_beside - compute`` over the share of that
-        work done while it ran.
+        The collectives ran beside compute all along, so their slowdown is their time beside it over their work.
+        Compute ran beside them until they ended, then alone (at most the rest of one step): under the rate model
+        it lost its seconds less its steps' time alone, all of it to their work. Given the calibration's price of
+        the loop as ``alone``, the cost model's product of slowdown and price is what the probe timed beside
+        compute, whatever the calibration read (measured in another launch: at 2 x 2 on 2 cores its intra bandwidth
+        read 259-376 MB/s between runs).
         """
         work = alone if alone is not None else self.collectives
-        beside = self.collectives_beside
-        slowdown = beside / work
-        work_beside = work * min(self.compute_beside / beside, 1.0)
-        lost = (self.compute_beside - self.compute) / work_beside
-        return Overlap(fraction=min(max(1.0 - lost, 0.0), 1.0), slowdown=min(max(slowdown, 1.0), 100.0))
+        slowdown = self.collectives_beside / work
+        lost = self.compute_beside - self.steps_beside * self.step
+        return Overlap(fraction=min(max(1.0 - lost / work, 0.0), 1.0), slowdown=min(max(slowdown, 1.0), 100.0))
 
 
 def measure_overlap(
@@ -277,26 +283,26 @@ def measure_overlap(
 ) -> OverlapLoops:
     """How communication over ``group`` and compute share this rank when they run at once (see ``OverlapLoops``).
 
-    Times a loop of compute steps (``step``, default an MLP block's forward and backward) alone (at least
+    Times compute steps (``step``, default an MLP block's forward and backward) alone (a loop of at least
     ``loop_s``: shorter loops are mostly scheduling noise), a loop of the engine's all-gathers (or, with ``op``
-    "reduce_scatter", its reduce-scatters) over ``group`` that takes about as long, and both at once (the
-    collectives on a thread, as the engine issues them), each loop's own elapsed time; the median of ``trials`` of
-    each figure. Every loop starts after a barrier on ``align`` (default ``group``), so that ranks sharing a
-    machine run the same loop.
+    "reduce_scatter", its reduce-scatters) over ``group`` that takes about as long, and the collectives' loop on a
+    thread (as the engine issues them) with compute steps run until it ends; the median of ``trials`` of each
+    figure. Every loop starts after a barrier on ``align`` (default ``group``), so that ranks sharing a machine run
+    the same loop.
     """
     sync = _sync(device)
     layer_step = step if step is not None else _mlp_step(device)[0]
     call = _collective(op, group, nbytes, device)
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-    repeats, gathers_per_loop = 1, 1  # then enough steps for loop_s, and gathers that take about as long
+    repeats, calls = 1, 1  # then enough steps for loop_s, and collectives that take about as long
 
     def computes() -> None:
         for _ in range(repeats):
             layer_step()
 
-    def gathers() -> None:
+    def collectives() -> None:
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for _ in range(gathers_per_loop):
+            for _ in range(calls):
                 call()
             sync()
 
@@ -306,31 +312,34 @@ def measure_overlap(
         fn()
         return time.perf_counter() - start
 
-    def both() -> tuple[float, float]:
-        """(compute's, the gathers') own elapsed seconds, started together."""
-        gathers_s: list[float] = []
+    def both() -> tuple[float, int, float]:
+        """(the collectives' seconds, the compute steps run beside them, those steps' seconds)."""
+        ended: list[float] = []
 
-        def timed_gathers() -> None:
-            gathers()
-            gathers_s.append(time.perf_counter() - start)
+        def timed_collectives() -> None:
+            collectives()
+            ended.append(time.perf_counter() - start)
 
         dist.barrier(group=align or group)
         start = time.perf_counter()
-        thread = threading.Thread(target=timed_gathers, name="paro-probe-gathers")
+        thread = threading.Thread(target=timed_collectives, name="paro-probe-collectives")
         thread.start()
-        computes()
+        steps = 0
+        while thread.is_alive() or steps == 0:
+            layer_step()
+            steps += 1
         compute_s = time.perf_counter() - start
         thread.join()
-        return compute_s, gathers_s[0]
+        return ended[0], steps, compute_s
 
-    one_gather, one_step = timed(gathers), timed(computes)  # also the warm-up
+    one_call, one_step = timed(collectives), timed(computes)  # also the warm-up
     repeats = min(max(round(loop_s / max(one_step, 1e-9)), 1), 64)
-    n = torch.tensor([repeats, min(max(round(repeats * one_step / max(one_gather, 1e-9)), 1), 256)], device=device)
+    n = torch.tensor([repeats, min(max(round(repeats * one_step / max(one_call, 1e-9)), 1), 256)], device=device)
     dist.all_reduce(n, op=dist.ReduceOp.MAX, group=align or group)  # the same loops everywhere
-    repeats, gathers_per_loop = int(n[0]), int(n[1])
-    runs = [(timed(computes), timed(gathers), *both()) for _ in range(trials)]
+    repeats, calls = int(n[0]), int(n[1])
+    runs = [(timed(computes) / repeats, timed(collectives), *both()) for _ in range(trials)]
     medians = [sorted(figure)[len(runs) // 2] for figure in zip(*runs, strict=True)]
-    return OverlapLoops(*medians, calls=gathers_per_loop, nbytes=nbytes)
+    return OverlapLoops(*medians, calls=calls, nbytes=nbytes)
 
 
 def measure_links(
@@ -426,7 +435,8 @@ def _overlaps(links: LinkCalibration, groups: ParoGroups, device: torch.device, 
     for level, op in _PROBED:
         pg = groups.intra if level == "intra" else groups.inter
         found = measure_overlap(device, pg, step, align=groups.whole, op=op) if pg is not None else None
-        loops.append(dataclasses.astuple(found) if found is not None else (0.0,) * 6)
+        none = (0.0,) * len(dataclasses.fields(OverlapLoops))  # a level of one rank: nothing to probe
+        loops.append(dataclasses.astuple(found) if found is not None else none)
     t = torch.tensor(loops, dtype=torch.float64, device=device)
     every = [torch.empty_like(t) for _ in range(groups.world)]
     dist.all_gather(every, t, group=groups.whole)

@@ -83,20 +83,17 @@ def test_plan_bytes_for_a_ring_all_gather() -> None:
 @pytest.mark.parametrize(
     "loops,alone,slowdown,fraction",
     [
-        # the gathers (1 s alone) end first, at 2 s; compute did 1.5 of its 2 s beside them, the rest alone
-        ((2.0, 1.0, 2.5, 2.0), None, 2.0, 0.5),
-        # compute (1 s alone) ends first, at 4/3 s: the gathers ran beside compute (the other ranks' on shared
-        # cores) all along, at 3/5 of their speed; compute lost 1/3 s over the 4/5 of their work done beside it
-        ((1.0, 1.0, 4 / 3, 5 / 3), None, 5 / 3, 1 - (1 / 3) / 0.8),
+        # the gathers (1 s alone) took 2 s beside compute, which ran 3 steps of 1 s in 3.5 s: it lost 0.5 s to them
+        ((1.0, 1.0, 2.0, 3, 3.5), None, 2.0, 0.5),
         # no effect either way
-        ((1.0, 1.0, 1.0, 1.0), None, 1.0, 1.0),
+        ((0.5, 1.0, 1.0, 2, 1.0), None, 1.0, 1.0),
         # priced by the calibration at 0.25 s (the probe's own loop alone read 0.5 s): the product of the slowdown
-        # and that price is the 1 s the gathers took beside compute; compute lost 0.2 s over their 0.25 s of work
-        ((1.0, 0.5, 1.2, 1.0), 0.25, 4.0, 0.2),
+        # and that price is the 1 s the gathers took beside compute; compute lost 0.1 s over their 0.25 s of work
+        ((0.1, 0.5, 1.0, 11, 1.2), 0.25, 4.0, 0.6),
     ],
 )
 def test_overlap_probe_gives_the_cost_models_rate_model(
-    loops: tuple[float, float, float, float], alone: float | None, slowdown: float, fraction: float
+    loops: tuple[float, float, float, int, float], alone: float | None, slowdown: float, fraction: float
 ) -> None:
     """The probe's loops give the figures of the rate model of rust/paro-core/src/cost/schedule.rs: collectives at
     1 / slowdown beside compute, compute losing 1 - fraction per second of their work."""
@@ -105,12 +102,23 @@ def test_overlap_probe_gives_the_cost_models_rate_model(
     got = OverlapLoops(*loops, calls=1, nbytes=1).rates(alone)
     assert got.slowdown == pytest.approx(slowdown, abs=1e-12)
     assert got.fraction == pytest.approx(fraction, abs=1e-12)
-    assert got.slowdown * (alone or loops[1]) == pytest.approx(loops[3], abs=1e-12)  # the gathers' time beside
+    assert got.slowdown * (alone or loops[1]) == pytest.approx(loops[2], abs=1e-12)  # the gathers' time beside
+
+
+def test_overlap_probe_follows_the_rate_model_through_a_step_that_outlasts_the_collectives() -> None:
+    """Gathers of 1 s alone at slowdown 2 beside compute that loses 0.5 s per second of their work (fraction 0.5,
+    0.75 of its speed): steps of 1 s alone, the first ends at 4/3 s, the second has 0.5 s of work done when the
+    gathers end at 2 s and runs its last 0.5 s alone, to 2.5 s."""
+    from paro_torch.auto import OverlapLoops
+
+    got = OverlapLoops(step=1.0, collectives=1.0, collectives_beside=2.0, steps_beside=2, compute_beside=2.5,
+                       calls=1, nbytes=1).rates()  # fmt: skip
+    assert (got.slowdown, got.fraction) == (2.0, 0.5)
 
 
 def test_overlap_loops_are_priced_as_the_cost_model_prices_a_ring() -> None:
     """Three all-gathers of 4 KiB over 4 ranks: each 3 ring steps of latency and 3/4 of the bytes received."""
     from paro_torch.auto import OverlapLoops
 
-    loops = OverlapLoops(1.0, 1.0, 1.0, 1.0, calls=3, nbytes=4096)
+    loops = OverlapLoops(1.0, 1.0, 1.0, 1, 1.0, calls=3, nbytes=4096)
     assert loops.alone_seconds(4, bandwidth=1024.0, latency=0.01) == pytest.approx(3 * (3 * 0.01 + 3.0), abs=1e-12)
