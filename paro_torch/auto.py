@@ -315,9 +315,13 @@ def measure_overlap(
     def both() -> tuple[float, int, float]:
         """(the collectives' seconds, the compute steps run beside them, those steps' seconds)."""
         ended: list[float] = []
+        failed: list[BaseException] = []
 
         def timed_collectives() -> None:
-            collectives()
+            try:
+                collectives()
+            except BaseException as e:  # e.g. a peer died: raised on the calling thread below
+                failed.append(e)
             ended.append(time.perf_counter() - start)
 
         dist.barrier(group=align or group)
@@ -330,6 +334,8 @@ def measure_overlap(
             steps += 1
         compute_s = time.perf_counter() - start
         thread.join()
+        if failed:
+            raise failed[0]
         return ended[0], steps, compute_s
 
     one_call, one_step = timed(collectives), timed(computes)  # also the warm-up

@@ -122,3 +122,34 @@ def test_overlap_loops_are_priced_as_the_cost_model_prices_a_ring() -> None:
 
     loops = OverlapLoops(1.0, 1.0, 1.0, 1, 1.0, calls=3, nbytes=4096)
     assert loops.alone_seconds(4, bandwidth=1024.0, latency=0.01) == pytest.approx(3 * (3 * 0.01 + 3.0), abs=1e-12)
+
+
+def test_overlap_probe_raises_what_its_collectives_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A collective that fails on the probe's thread (a peer died) ends the probe with that error on the caller."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    from paro_torch import auto
+
+    calls = {"n": 0}
+
+    def failing(*_: object) -> object:
+        def call() -> None:
+            calls["n"] += 1
+            if calls["n"] > 2:  # after the warm-up loops that size the probe
+                raise RuntimeError("peer died")
+
+        return call
+
+    monkeypatch.setattr(auto, "_collective", failing)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="peer died"):
+            auto.measure_overlap(torch.device("cpu"), dist.group.WORLD, step=lambda: None, loop_s=0.001, trials=1)
+    finally:
+        dist.destroy_process_group()
