@@ -80,8 +80,7 @@ def repredict(
             blocks[run["scenario"]] = blocks_of(cfg, run["scenario"], groups)
         links = LinkCalibration(**extra["links"])
         if links.overlap_loops is not None:  # the overlap figures as the installed probe derives them
-            figures = auto.overlaps_from_loops(links, (groups.group_size, groups.num_groups))
-            links = dataclasses.replace(links, **figures)
+            links = dataclasses.replace(links, **auto.overlaps_from_loops(links, groups))
         links = dataclasses.replace(links, **overrides)
         is_auto = run["variant"] == "paro:auto"
         only = None if is_auto else extra["strategy"]

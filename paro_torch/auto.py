@@ -407,15 +407,15 @@ def _ranks_mean(seconds: torch.Tensor, groups: ParoGroups) -> torch.Tensor:
 _PROBED = [(level, op) for level in ("intra", "inter") for op in ("all_gather", "reduce_scatter")]
 
 
-def overlaps_from_loops(links: LinkCalibration, group_sizes: tuple[int, int]) -> dict[str, float]:
+def overlaps_from_loops(links: LinkCalibration, groups: ParoGroups) -> dict[str, float]:
     """The overlap figures (``LinkCalibration`` fields) from ``links.overlap_loops``, priced by ``links``' own links.
 
-    ``group_sizes``: the ranks of an intra-group and of an inter-group. The gathers give a level's overlap and
-    slowdown; the reduce-scatters their own slowdown.
+    The gathers give a level's overlap and slowdown; the reduce-scatters their own slowdown.
     """
     assert links.overlap_loops is not None
     figures = {}
-    for (level, op), k in zip(_PROBED, (group_sizes[0],) * 2 + (group_sizes[1],) * 2, strict=True):
+    for level, op in _PROBED:
+        k = groups.group_size if level == "intra" else groups.num_groups  # the level's ranks
         if k == 1:
             rates = Overlap(1.0, 1.0)
         else:
@@ -449,7 +449,7 @@ def _overlaps(links: LinkCalibration, groups: ParoGroups, device: torch.device, 
     t = torch.quantile(torch.stack(every), 0.5, dim=0)  # of an even count: the mean of the middle two
     recorded = {f"{level}_{op}": [float(x) for x in row] for (level, op), row in zip(_PROBED, t, strict=True)}
     links = dataclasses.replace(links, overlap_loops=recorded)
-    return dataclasses.replace(links, **overlaps_from_loops(links, (groups.group_size, groups.num_groups)))
+    return dataclasses.replace(links, **overlaps_from_loops(links, groups))
 
 
 def calibrate(

@@ -47,7 +47,7 @@ def main() -> None:
                links.inter_reduce_scatter_bandwidth]  # fmt: skip
     # the overlap probe's loops are recorded (every level and collective) and give back its figures
     assert links.overlap_loops is not None and len(links.overlap_loops) == 4, links
-    derived = overlaps_from_loops(links, (groups.group_size, groups.num_groups))
+    derived = overlaps_from_loops(links, groups)
     assert derived == {k: getattr(links, k) for k in derived}, (derived, links)
     every: list[object] = [None] * dist.get_world_size()
     dist.all_gather_object(every, [figures, links.overlap_loops])
