@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from paro_torch import _C
 from paro_torch._backend import resolve_group_size
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,27 @@ def build_groups(
         return ParoGroups(world, m, rank, intra if m > 1 else None, inter if g > 1 else None, dist.group.WORLD)
     m = group_size if group_size is not None else resolve_group_size(world)
     _C.check_topology(world, m)
-    return _new_groups(world, m, rank, backend)
+    return shared(("groups", m, backend), lambda: _new_groups(world, m, rank, backend))
+
+
+_shared: dict[tuple[Any, ...], Any] = {}
+_shared_world: list[dist.ProcessGroup | None] = [None]
+
+
+def shared(key: tuple[Any, ...], make: Callable[[], T]) -> T:
+    """``make()``'s value for ``key``, made once per default process group; every rank must ask in the same order.
+
+    Process groups live until the default group is destroyed, and each costs a connection to every peer (and, for
+    Gloo, threads) and a rendezvous to make: the engine makes its communicators once per job and layout, not once
+    per wrapped module. A new default group (after ``destroy_process_group``) starts afresh.
+    """
+    world = dist.group.WORLD
+    if _shared_world[0] is not world:
+        _shared.clear()
+        _shared_world[0] = world
+    if key not in _shared:
+        _shared[key] = make()
+    return _shared[key]
 
 
 def twin_groups(groups: ParoGroups) -> ParoGroups:

@@ -35,9 +35,10 @@ from torch.utils._pytree import tree_map_only
 from paro_torch import _C
 from paro_torch._agree import raise_together
 from paro_torch._backend import check_node_layout, resolve_group_size
+from paro_torch._comms import engine_comms
 from paro_torch._flat import FlatBuffer, G, I, Ledger, N, ParamSlot, param_rows
-from paro_torch._groups import ParoGroups, build_groups, twin_groups
-from paro_torch._lanes import Handle, make_lane
+from paro_torch._groups import ParoGroups, build_groups
+from paro_torch._lanes import Handle
 from paro_torch._report import format_report
 from paro_torch.api import Precision
 from paro_torch.auto import (
@@ -295,10 +296,11 @@ class ParoShardedModule(nn.Module):
         self.strategy = parsed
         self._gather_ahead = parsed.gather_ahead
         """Units past the computing one whose gathers may be in flight: the cost model's rule (its IssuePolicy)."""
-        self.mesh = _mesh(self.groups, self.device.type)
+        comms = engine_comms(self.groups, self.device)  # see [Note: shared lanes] in _comms.py
+        self.mesh = comms.mesh
         """The (intra, inter) mesh of the sharded parameters (DTensors); its groups serve DTensor ops only."""
-        self._rgroups = twin_groups(self.groups)
-        self._gather_world = dist.new_group(list(range(self.groups.world)), backend=dist.get_backend(self.groups.whole))
+        self._rgroups = comms.reduce_groups
+        self._gather_world = comms.gather_world
         self._units = self._build_units(assignments, sync_module_states, param_init_fn)
         self._buffers_to_sync = [b for b in module.buffers() if b.numel() > 0] if broadcast_buffers else []
         self._flat_buffers = [b for u in self._units for b in u.buffers]
@@ -315,9 +317,9 @@ class ParoShardedModule(nn.Module):
         #   freed when the pass ends), so every rank gathers the same units in the same order, one ahead of
         #   the computation (prefetch); the root unit comes first in both, since it wraps the whole forward;
         # - reductions follow one fixed order too (see [Note: reduction order]).
-        # On CUDA each is a stream instead of a thread (see [Note: lanes] in _lanes.py).
-        self._gathers = make_lane(self.device, "paro-gather")
-        self._reducer = make_lane(self.device, "paro-reduce")
+        # On CUDA each is a stream instead of a thread (see [Note: lanes] in _lanes.py). Modules on the same groups
+        # share both (see [Note: shared lanes] in _comms.py).
+        self._gathers, self._reducer = comms.gathers, comms.reducer
         self._fwd_order = list(reversed(self._units))  # root first
         self._pass: list[_Unit] = []
         self._pass_pos: dict[_Unit, int] = {}
@@ -1042,15 +1044,6 @@ def _materialize(members: list[nn.Module], device: torch.device, init_fn: Callab
             init_fn(m)
         elif callable(getattr(m, "reset_parameters", None)):
             m.reset_parameters()
-
-
-def _mesh(groups: ParoGroups, device_type: str) -> DeviceMesh:
-    """The 2-D mesh (intra, inter): ``mesh[r][k]`` is rank k·m + r, so placements shard by local rank first."""
-    m, g = groups.group_size, groups.num_groups
-    ranks = torch.tensor([[k * m + r for k in range(g)] for r in range(m)], dtype=torch.int64)
-    mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("intra", "inter"))
-    mesh._flatten("paro_world")  # DTensor reduces over both dimensions at once with it (e.g. a global norm)
-    return mesh
 
 
 def _checkpointed(module: nn.Module) -> bool:

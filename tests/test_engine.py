@@ -69,3 +69,8 @@ def test_activation_checkpointing_keeps_units_sharded_in_backward() -> None:
     """GGG: the peak of unsharded units in backward with checkpointing (reentrant or not, early stop on or off) is
     at most that without it (root + computing + prefetched = 3 of 7 units)."""
     assert_ok(launch("engine_unsharded.py", 4, env={"PARO_GROUP_SIZE": "2"}, timeout=180))
+
+
+def test_modules_on_the_same_groups_share_communicators_and_train_together() -> None:
+    """An encoder and a decoder wrapped apart, one loss: one process's parameters (1e-5), no new process groups."""
+    assert_ok(launch("engine_shared.py", 4, env={"PARO_GROUP_SIZE": "2"}, timeout=180))
