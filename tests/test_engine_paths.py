@@ -8,39 +8,55 @@ from launch import assert_ok, launch
 
 pytestmark = pytest.mark.multiproc
 
-CASES = [
-    "fused",  # AdamW(fused=True)
-    "foreach",  # AdamW(foreach=True)
-    "sgd",  # SGD with momentum
-    "adam_l2",  # Adam with (L2) weight_decay
-    "skipped_step",  # every rank skips optimizer.step() once, as a GradScaler that found inf
-    "dropped_equal",  # a block unused on one rank for one step; blocks of equal size
-    "dropped_unequal",  # ditto, the unused block larger than the other
-    "ckpt_nonreentrant_early",  # torch.utils.checkpoint(use_reentrant=False) around each block
-    "ckpt_nonreentrant_late",  # ditto under set_checkpoint_early_stop(False)
-    "ckpt_reentrant",  # torch.utils.checkpoint(use_reentrant=True) around each block
-    "retain_graph",  # the first micro-step's backward with retain_graph=True
-    "batchnorm",  # BatchNorm1d in a block and at the root: parameters and running stats (rank 0's)
-    "seeds",  # each rank builds the model with its own seed: rank 0's parameters and buffers win
-    "param_groups",  # optimizer groups by ParoShardedModule.named_parameters() names
-    "meta",  # built on the meta device, initialised unit by unit by param_init_fn
-    "backward_error",  # a backward raises midway on every rank; the step is skipped and training goes on
-    "direct_call",  # the inner model called past the wrapper between steps (Hugging Face's and PEFT's generate)
-    "nested",  # Lightning's redirection: training_step inside the wrapper's forward calls the model again
-    "forward_error",  # a forward raises inside a block on every rank; that micro-step is left out
-    "inference_first",  # the first forward under inference_mode, communication on the calling thread (as CUDA)
-]
+# Cases by what they vary, one launch per line (start-up dominates on 2 cores); each case runs in the same process
+# after the one before it, with the engine's shared communicators (see [Note: shared lanes] in paro_torch/_comms.py).
+CASES = {
+    "optimizers": [
+        "fused",  # AdamW(fused=True)
+        "foreach",  # AdamW(foreach=True)
+        "sgd",  # SGD with momentum
+        "adam_l2",  # Adam with (L2) weight_decay
+        "param_groups",  # optimizer groups by ParoShardedModule.named_parameters() names
+        "skipped_step",  # every rank skips optimizer.step() once, as a GradScaler that found inf
+    ],
+    "graphs": [
+        "dropped_equal",  # a block unused on one rank for one step; blocks of equal size
+        "dropped_unequal",  # ditto, the unused block larger than the other
+        "retain_graph",  # the first micro-step's backward with retain_graph=True
+        "direct_call",  # the inner model called past the wrapper between steps (Hugging Face's and PEFT's generate)
+        "nested",  # Lightning's redirection: training_step inside the wrapper's forward calls the model again
+    ],
+    "checkpointing": [
+        "ckpt_nonreentrant_early",  # torch.utils.checkpoint(use_reentrant=False) around each block
+        "ckpt_nonreentrant_late",  # ditto under set_checkpoint_early_stop(False)
+        "ckpt_reentrant",  # torch.utils.checkpoint(use_reentrant=True) around each block
+    ],
+    "states": [
+        "batchnorm",  # BatchNorm1d in a block and at the root: parameters and running stats (rank 0's)
+        "seeds",  # each rank builds the model with its own seed: rank 0's parameters and buffers win
+        "meta",  # built on the meta device, initialised unit by unit by param_init_fn
+    ],
+    "errors": [
+        "backward_error",  # a backward raises midway on every rank; the step is skipped and training goes on
+        "forward_error",  # a forward raises inside a block on every rank; that micro-step is left out
+        "inference_first",  # the first forward under inference_mode, communication on the calling thread (as CUDA)
+    ],
+}
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_training_path_matches_one_process(case: str) -> None:
-    # bounded: an engine whose ranks disagree on collectives hangs (the worker dumps its stacks at 150 s)
-    assert_ok(launch("engine_paths.py", 4, env={"PARO_GROUP_SIZE": "2"}, args=(case,), timeout=180))
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kind", CASES)
+def test_training_paths_match_one_process(kind: str) -> None:
+    # bounded: an engine whose ranks disagree on collectives hangs (the worker dumps its stacks after 150 s of a case)
+    cases = CASES[kind]
+    assert_ok(
+        launch("engine_paths.py", 4, env={"PARO_GROUP_SIZE": "2"}, args=(",".join(cases),), timeout=90 * len(cases))
+    )
 
 
-@pytest.mark.parametrize("code", ["GGG", "IIG", "NNG"])
-def test_meta_device_model_wraps_within_shards_plus_a_unit(code: str) -> None:
-    """Peak memory while wrapping a model built on the meta device: the shards plus about two units, not the model."""
+def test_meta_device_model_wraps_within_shards_plus_a_unit() -> None:
+    """Peak memory while wrapping a model built on the meta device in GGG, IIG and NNG: the shards plus about two
+    units, not the model."""
     env = {"PARO_GROUP_SIZE": "2", "MALLOC_MMAP_THRESHOLD_": "131072"}  # freed buffers leave the resident set
-    out = assert_ok(launch("engine_meta_memory.py", 4, env=env, args=(code,), timeout=180))
+    out = assert_ok(launch("engine_meta_memory.py", 4, env=env, args=("GGG,IIG,NNG",), timeout=300))
     print(out)

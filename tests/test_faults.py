@@ -23,7 +23,9 @@ TIMEOUT_S = 20  # faults.py's process-group timeout
 @pytest.mark.parametrize("engine", ["paro", "ddp"])
 def test_a_killed_rank_fails_the_job_and_the_last_checkpoint_resumes_it_exactly(engine: str, tmp_path: Path) -> None:
     env = {"PARO_GROUP_SIZE": "2"}
-    for phase in ("forward", "backward", "optimizer", "save"):
+    # DDP communicates in backward only (and in the save): a kill in its forward or optimizer step shows as in backward
+    phases = ("forward", "backward", "optimizer", "save") if engine == "paro" else ("backward", "save")
+    for phase in phases:
         start = time.monotonic()
         results = launch("faults.py", 4, env=env, args=(engine, phase, str(tmp_path)), timeout=180)
         assert results[1].returncode == -signal.SIGKILL, results[1].output[-2000:]

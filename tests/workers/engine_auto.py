@@ -146,7 +146,8 @@ def main() -> None:
 
     # a root without parameters of its own (every parameter in a wrapped block)
     blocks = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
-    ParoShardedModule(blocks, "auto", process_groups=pgs, wrap_policy={torch.nn.Linear}, memory_budget=10**9)
+    ParoShardedModule(blocks, "auto", process_groups=pgs, wrap_policy={torch.nn.Linear}, memory_budget=10**9,
+                      calibration=links)  # fmt: skip
 
     # nothing fits / the requested strategy does not fit: an error on every rank, naming the fix
     for strategy, limit, message in [("auto", 1000, "found no strategy that fits"), ("ddp", budget, "needs")]:

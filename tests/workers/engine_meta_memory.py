@@ -5,6 +5,7 @@ built and wrapped, against the same model built on the CPU first (the whole mode
 MALLOC_MMAP_THRESHOLD_ set, so freed buffers leave the resident set.
 """
 
+import gc
 import sys
 from pathlib import Path
 
@@ -50,24 +51,26 @@ def peak_growth(device: str, code: str) -> tuple[int, int]:
     x = torch.randn(2, WIDTH)
     model(x).sum().backward()  # the wrapped model works
     del model
+    gc.collect()  # freed before the next measurement starts
     return growth, sum(held.values())  # without an optimizer: separate float32 masters only
 
 
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    code = sys.argv[1]
-    ParoShardedModule(nn.Linear(4, 4), code)  # warm-up: the first groups and meshes allocate once
+    codes = sys.argv[1].split(",")
+    ParoShardedModule(nn.Linear(4, 4), codes[0])  # warm-up: the engine's groups and meshes are made once
     unit = WIDTH * WIDTH * 4
-    meta, shards = peak_growth("meta", code)
-    whole, _ = peak_growth("cpu", code)
-    sizes = f"shards {shards / MB:.1f} MB, one unit {unit / MB:.1f} MB, the model {BLOCKS * unit / MB:.1f} MB"
-    print(f"rank {rank} {code}: peak {meta / MB:.1f} MB from meta, {whole / MB:.1f} MB from a CPU model; {sizes}")
-    assert whole >= BLOCKS * unit, "the CPU-built model must show in the measurement"
-    # transient, one unit at a time: its materialised parameters and the staging copy of the broadcast from rank 0
-    # (then only this rank's blocks are copied out), with a unit's worth of allocator slack
-    assert meta <= shards + 3 * unit, f"{code}: wrapping a meta model peaked at {meta / MB:.1f} MB"
-    dist.barrier()
+    for code in codes:  # each from a reset peak
+        meta, shards = peak_growth("meta", code)
+        whole, _ = peak_growth("cpu", code)
+        sizes = f"shards {shards / MB:.1f} MB, one unit {unit / MB:.1f} MB, the model {BLOCKS * unit / MB:.1f} MB"
+        print(f"rank {rank} {code}: peak {meta / MB:.1f} MB from meta, {whole / MB:.1f} MB from a CPU model; {sizes}")
+        assert whole >= BLOCKS * unit, "the CPU-built model must show in the measurement"
+        # transient, one unit at a time: its materialised parameters and the staging copy of the broadcast from
+        # rank 0 (then only this rank's blocks are copied out), with a unit's worth of allocator slack
+        assert meta <= shards + 3 * unit, f"{code}: wrapping a meta model peaked at {meta / MB:.1f} MB"
+        dist.barrier()
     dist.destroy_process_group()
 
 

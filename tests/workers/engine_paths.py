@@ -1,7 +1,8 @@
 """ParoShardedModule on the paths real training takes trains to the parameters (and buffers) of one process.
 
-Usage: engine_paths.py CASE [STRATEGY ...]; world 4 as 2 groups of 2 (PARO_GROUP_SIZE=2). CASE in: fused, foreach,
-sgd, adam_l2 (optimizers); skipped_step (a GradScaler-style skipped optimizer step); dropped_equal, dropped_unequal
+Usage: engine_paths.py CASE[,CASE...] [STRATEGY ...] (cases in one process, one after another); world 4 as 2
+groups of 2 (PARO_GROUP_SIZE=2). CASE in: fused, foreach, sgd, adam_l2 (optimizers); skipped_step (a
+GradScaler-style skipped optimizer step); dropped_equal, dropped_unequal
 (a block unused on one rank for one step); ckpt_nonreentrant_early, ckpt_nonreentrant_late, ckpt_reentrant
 (activation checkpointing); retain_graph; batchnorm (buffers); seeds (ranks built with different seeds);
 param_groups (optimizer groups by the original parameter names); meta (built on the meta device, initialised by
@@ -397,13 +398,10 @@ def through_checkpoint(case: str, code: str, model: ParoShardedModule, ref: Tiny
     return [f"{result[0]} (and through a checkpoint)", *result[1:]]
 
 
-def main() -> None:
-    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
-    case, strategies = sys.argv[1], sys.argv[2:] or STRATEGIES
-    dist.init_process_group("gloo")
-    groups = build_groups()
+def check_case(case: str, strategies: list[str], groups: ParoGroups) -> list[str]:
+    """Trains every strategy on ``case`` and compares each with one process: the problems found."""
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)  # per case
     rank, world = dist.get_rank(), dist.get_world_size()
-    assert world == 4 and groups.group_size == 2, "run on 4 ranks with PARO_GROUP_SIZE=2"
     g = torch.Generator().manual_seed(1)
     data = [
         [
@@ -443,6 +441,15 @@ def main() -> None:
         if rank == 0:  # every rank checks the same full state dict, and fails with its own message
             print(f"{code} {case}: max |diff| {result[0][3:]}" if ok else "\n".join(result), flush=True)
     dist.barrier()
+    return failures
+
+
+def main() -> None:
+    cases, strategies = sys.argv[1].split(","), sys.argv[2:] or STRATEGIES
+    dist.init_process_group("gloo")
+    groups = build_groups()
+    assert dist.get_world_size() == 4 and groups.group_size == 2, "run on 4 ranks with PARO_GROUP_SIZE=2"
+    failures = [f for case in cases for f in check_case(case, strategies, groups)]  # one process, case after case
     dist.destroy_process_group()
     assert not failures, "\n".join(failures)
 

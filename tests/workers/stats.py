@@ -1,4 +1,7 @@
-"""Bytes per level that the ``paro`` backend counts match the ring formulas; sub-groups built by new_group."""
+"""Bytes per level that the ``paro`` backend counts match the ring formulas; sub-groups built by new_group.
+
+Usage: stats.py (a Gloo world); collectives.py runs the same checks in a paro world.
+"""
 
 import logging
 
@@ -8,9 +11,8 @@ import torch.distributed as dist
 import paro_torch
 
 
-def main() -> None:
-    logging.basicConfig(level=logging.WARNING)
-    dist.init_process_group("gloo")  # a gloo world with paro sub-groups, as new_group(backend="paro") users do
+def check_counted_bytes(not_paro: dist.ProcessGroup) -> None:
+    """On new paro groups over every rank and over all but the last; ``not_paro``: a group of another backend."""
     rank, world = dist.get_rank(), dist.get_world_size()
     m = paro_torch._backend.resolve_group_size(world)
     g = world // m
@@ -50,12 +52,18 @@ def main() -> None:
         st = paro_torch.comm_stats(sub)
         assert st.flat_ops > 0 and st.intra_ops == st.inter_ops == 0, st
     try:
-        paro_torch.comm_stats(dist.group.WORLD)
+        paro_torch.comm_stats(not_paro)
     except ValueError as err:
         assert 'not "paro"' in str(err), err
     else:
         raise AssertionError("comm_stats accepted a gloo group")
     print(f"rank {rank}: stats OK")
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING)
+    dist.init_process_group("gloo")  # a gloo world with paro sub-groups, as new_group(backend="paro") users do
+    check_counted_bytes(dist.group.WORLD)
     dist.destroy_process_group()
 
 
