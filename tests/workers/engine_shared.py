@@ -38,6 +38,11 @@ def loss_fn(enc: nn.Module, dec: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return (dec(enc(x)) - x.flip(-1)).pow(2).mean()
 
 
+def both(enc: dict[str, torch.Tensor], dec: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The two state dicts as one, under "enc." and "dec."."""
+    return {f"enc.{k}": v for k, v in enc.items()} | {f"dec.{k}": v for k, v in dec.items()}
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -50,12 +55,8 @@ def main() -> None:
             (loss_fn(enc_ref, dec_ref, x) / ACCUM).backward()
         opt.step()
         opt.zero_grad()
-    want = {f"enc.{k}": v for k, v in enc_ref.state_dict().items()} | {
-        f"dec.{k}": v for k, v in dec_ref.state_dict().items()
-    }
-    initial = {f"enc.{k}": v for k, v in make(0).state_dict().items()} | {
-        f"dec.{k}": v for k, v in make(1).state_dict().items()
-    }
+    want = both(enc_ref.state_dict(), dec_ref.state_dict())
+    initial = both(make(0).state_dict(), make(1).state_dict())
     moved = max((want[k] - initial[k]).abs().max().item() for k in want)
     assert moved > 100 * TOL, moved  # the comparison can fail
 
@@ -79,9 +80,7 @@ def main() -> None:
                     (loss_fn(enc, dec, x[rank * BATCH : (rank + 1) * BATCH]) / ACCUM).backward()
             opt.step()
             opt.zero_grad()
-        got = {f"enc.{k}": v for k, v in enc.full_state_dict().items()} | {
-            f"dec.{k}": v for k, v in dec.full_state_dict().items()
-        }
+        got = both(enc.full_state_dict(), dec.full_state_dict())
         assert got.keys() == want.keys(), (sorted(got), sorted(want))
         worst = max((got[k] - want[k]).abs().max().item() for k in want)
         assert worst < TOL, f"{codes}: parameters differ from one process by {worst:.3g}"
