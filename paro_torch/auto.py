@@ -280,15 +280,16 @@ def measure_overlap(
     trials: int = 3,
     align: dist.ProcessGroup | None = None,
     op: str = "all_gather",
+    loop_steps: int = 1,
 ) -> OverlapLoops:
     """How communication over ``group`` and compute share this rank when they run at once (see ``OverlapLoops``).
 
     Times compute steps (``step``, default an MLP block's forward and backward) alone (a loop of at least
-    ``loop_s``: shorter loops are mostly scheduling noise), a loop of the engine's all-gathers (or, with ``op``
-    "reduce_scatter", its reduce-scatters) over ``group`` that takes about as long, and the collectives' loop on a
-    thread (as the engine issues them) with compute steps run until it ends; the median of ``trials`` of each
-    figure. Every loop starts after a barrier on ``align`` (default ``group``), so that ranks sharing a machine run
-    the same loop.
+    ``loop_s`` and of ``loop_steps`` steps: shorter loops are mostly scheduling noise), a loop of the engine's
+    all-gathers (or, with ``op`` "reduce_scatter", its reduce-scatters) over ``group`` that takes about as long, and
+    the collectives' loop on a thread (as the engine issues them) with compute steps run until it ends; the median
+    of ``trials`` of each figure. Every loop starts after a barrier on ``align`` (default ``group``), so that ranks
+    sharing a machine run the same loop.
     """
     sync = _sync(device)
     layer_step = step if step is not None else _mlp_step(device)[0]
@@ -339,7 +340,7 @@ def measure_overlap(
         return ended[0], steps, compute_s
 
     one_call, one_step = timed(collectives), timed(computes)  # also the warm-up
-    repeats = min(max(round(loop_s / max(one_step, 1e-9)), 1), 64)
+    repeats = min(max(round(loop_s / max(one_step, 1e-9)), loop_steps, 1), 64)
     n = torch.tensor([repeats, min(max(round(repeats * one_step / max(one_call, 1e-9)), 1), 256)], device=device)
     dist.all_reduce(n, op=dist.ReduceOp.MAX, group=align or group)  # the same loops everywhere
     repeats, calls = int(n[0]), int(n[1])
@@ -431,7 +432,9 @@ def overlaps_from_loops(links: LinkCalibration, groups: ParoGroups) -> dict[str,
     return figures
 
 
-def _overlaps(links: LinkCalibration, groups: ParoGroups, device: torch.device, step: Any = None) -> LinkCalibration:
+def _overlaps(
+    links: LinkCalibration, groups: ParoGroups, device: torch.device, step: Any = None, loop_steps: int = 1
+) -> LinkCalibration:
     """``links`` with ``measure_overlap``'s loops of both levels and the overlap figures they give.
 
     Each loop figure is the ranks' median (``overlaps_from_loops`` prices them); the median, not the mean: on shared
@@ -440,7 +443,11 @@ def _overlaps(links: LinkCalibration, groups: ParoGroups, device: torch.device, 
     loops = []
     for level, op in _PROBED:
         pg = groups.intra if level == "intra" else groups.inter
-        found = measure_overlap(device, pg, step, align=groups.whole, op=op) if pg is not None else None
+        found = (
+            measure_overlap(device, pg, step, align=groups.whole, op=op, loop_steps=loop_steps)
+            if pg is not None
+            else None
+        )
         none = (0.0,) * len(dataclasses.fields(OverlapLoops))  # a level of one rank: nothing to probe
         loops.append(dataclasses.astuple(found) if found is not None else none)
     t = torch.tensor(loops, dtype=torch.float64, device=device)
@@ -485,6 +492,7 @@ def probe_model(
     device: torch.device,
     repeats: int = 5,
     dtype: torch.dtype | None = None,
+    overlap_steps: int = 2,
 ) -> LinkCalibration:
     """``links`` with the compute and optimizer throughputs and the overlaps measured on the model itself.
 
@@ -492,8 +500,11 @@ def probe_model(
     Compute: ``flops`` (what the cost model counts for the batch, ``model_flops``) over the seconds of the model's
     forward and backward, so that the figure calibrates the model's count, whatever the model spends beside
     matrix products (norms, attention, the loss, Python). Overlap: ``measure_overlap`` with that step as the
-    compute. Optimizer: AdamW over zero tensors shaped as the model's trainable parameters (the first ones, up to
-    2^22 elements), since how fast it runs depends on the tensors' sizes as well as their total. Every rank runs
+    compute, in loops of at least ``overlap_steps`` steps (a model step is often longer than the default loop; at
+    2 x 2 on 2 cores, loops of one 0.3 s step read an intra-group slowdown of 2.3 to 9.0 between launches of one
+    configuration, loops of two 3.0 to 5.1: benchmarks/README.md, "Probe loop length"). Optimizer: AdamW over zero
+    tensors shaped as the model's trainable parameters (the first ones, up to 2^22 elements), since how fast it runs
+    depends on the tensors' sizes as well as their total. Every rank runs
     at once, as in training; all get the ranks' mean seconds (see ``_ranks_mean``). With ``dtype`` (mixed
     precision's compute dtype) the model runs under autocast to it. Random state and the parameters' values,
     gradients and buffers are as before.
@@ -517,7 +528,7 @@ def probe_model(
 
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         seconds = [_mean_seconds(step, repeats, groups.whole)]
-        links = _overlaps(links, groups, device, step)
+        links = _overlaps(links, groups, device, step, loop_steps=overlap_steps)
     for p, g in zip(params, grads, strict=True):
         p.grad = g
     with torch.no_grad():

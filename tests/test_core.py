@@ -1,6 +1,8 @@
 """The Rust core as Python sees it: strategies, topology errors, layout, plans."""
 
+import contextlib
 import json
+from collections.abc import Iterator
 
 import pytest
 
@@ -124,10 +126,47 @@ def test_overlap_loops_are_priced_as_the_cost_model_prices_a_ring() -> None:
     assert loops.alone_seconds(4, bandwidth=1024.0, latency=0.01) == pytest.approx(3 * (3 * 0.01 + 3.0), abs=1e-12)
 
 
-def test_overlap_probe_raises_what_its_collectives_raised(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A collective that fails on the probe's thread (a peer died) ends the probe with that error on the caller."""
+@contextlib.contextmanager
+def _one_rank_group() -> Iterator[None]:
+    """A Gloo default group of this process alone, destroyed on exit."""
     import socket
 
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("loop_steps", [1, 3])
+def test_overlap_probe_loops_hold_at_least_loop_steps_model_steps(loop_steps: int) -> None:
+    """A 10 ms step against a 1 ms loop: each compute loop runs ``loop_steps`` steps (one warm-up step before)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from paro_torch import auto
+
+    calls = {"n": 0}
+
+    def step() -> None:
+        calls["n"] += 1
+        time.sleep(0.01)
+
+    with _one_rank_group():
+        got = auto.measure_overlap(torch.device("cpu"), dist.group.WORLD, step=step, loop_s=0.001, trials=1,
+                                   loop_steps=loop_steps)  # fmt: skip
+    assert calls["n"] - got.steps_beside == 1 + loop_steps
+
+
+def test_overlap_probe_raises_what_its_collectives_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A collective that fails on the probe's thread (a peer died) ends the probe with that error on the caller."""
     import torch
     import torch.distributed as dist
 
@@ -144,12 +183,5 @@ def test_overlap_probe_raises_what_its_collectives_raised(monkeypatch: pytest.Mo
         return call
 
     monkeypatch.setattr(auto, "_collective", failing)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        with pytest.raises(RuntimeError, match="peer died"):
-            auto.measure_overlap(torch.device("cpu"), dist.group.WORLD, step=lambda: None, loop_s=0.001, trials=1)
-    finally:
-        dist.destroy_process_group()
+    with _one_rank_group(), pytest.raises(RuntimeError, match="peer died"):
+        auto.measure_overlap(torch.device("cpu"), dist.group.WORLD, step=lambda: None, loop_s=0.001, trials=1)
