@@ -9,6 +9,8 @@ Modes:
   LoRA), wraps it with the variant's system (paro_torch, DDP, FSDP1, FSDP2, DeepSpeed), runs warm-up steps, then the
   measured steps (each an optimizer step over ``grad_accum`` micro-batches, a barrier on a separate Gloo group before
   each); local rank 0 of every node reads its link counters from /proc/net/dev around the measured steps.
+- ``interleave``: ``train`` for several paro variants in one launch, their measured steps taken in turns (one
+  ``run`` record each; see ``interleave``).
 
 Global rank 0 prints ``PAROBENCH <json>`` records (``meta``, ``run``, ``done``). A rank that fails prints
 ``PAROBENCH-ERROR [rank r] Type: message`` and exits non-zero; the driver records the variant as failed.
@@ -146,8 +148,9 @@ def unit_blocks(model: nn.Module, unit: type[nn.Module]) -> list[tuple[int, int]
 class System:
     """A wrapped model and its optimizer: ``micro`` runs one micro-batch (forward + backward), ``step`` the update."""
 
-    def __init__(self, cfg: dict[str, Any], model: nn.Module, nodes: int, per_node: int) -> None:
-        self.cfg, self.nodes, self.per_node = cfg, nodes, per_node
+    def __init__(self, cfg: dict[str, Any], model: nn.Module, nodes: int, per_node: int, links: Any = None) -> None:
+        """``links``: a paro variant's figures (``LinkCalibration``) in place of its own model probe."""
+        self.cfg, self.nodes, self.per_node, self.links = cfg, nodes, per_node, links
         self.accum, self.clip, self.lr = cfg["grad_accum"], cfg["clip"], cfg["lr"]
         self.extra: dict[str, Any] = {}
         self.phases: dict[str, float] = {}  # seconds per phase, summed since reset_counted
@@ -162,17 +165,24 @@ class System:
     # --- wrapping
     def _wrap_paro(self, model: nn.Module, option: str) -> nn.Module:
         from paro_torch import ParoShardedModule
+        from paro_torch.auto import default_memory_budget
 
         tokens = self.cfg["micro_batch"] * self.cfg["model"]["seq"]  # per rank and micro-step: the cost model's compute
         batch = torch.randint(0, self.cfg["model"]["vocab"], (self.cfg["micro_batch"], self.cfg["model"]["seq"]),
                               generator=torch.Generator().manual_seed(self.cfg["data_seed"] + 1))  # fmt: skip
         # example_inputs: the cost model's plan (every strategy's, for auto; this one's otherwise) with the compute
-        # throughput of this model's own forward and backward, timed on every rank before sharding
+        # throughput of this model's own forward and backward, timed on every rank before sharding; or the figures
+        # another variant's probe measured (interleave)
+        probe: dict[str, Any] = (  # an explicit strategy is planned only with a budget or a probe
+            {"calibration": self.links, "memory_budget": default_memory_budget(self.per_node)}
+            if self.links is not None
+            else {"example_inputs": {"input_ids": batch, "labels": batch}}
+        )
         wrapped = ParoShardedModule(model, option, wrap_policy={decoder_layer_class()}, grad_accum=self.accum,
-                                    tokens_per_micro_step=tokens,
-                                    example_inputs={"input_ids": batch, "labels": batch})  # fmt: skip
+                                    tokens_per_micro_step=tokens, **probe)  # fmt: skip
         self.optimizer = torch.optim.AdamW(wrapped.parameters(), lr=self.lr)
         assert wrapped.plan is not None and wrapped.links is not None
+        self.links = wrapped.links
         mine = next(s for s in wrapped.plan["strategies"] if s["code"] == wrapped.strategy.code)
         self.extra["strategy"] = wrapped.strategy.code
         self.extra["links"] = _asdict(wrapped.links)
@@ -445,11 +455,8 @@ def train(cfg: dict[str, Any]) -> None:
     if rank == 0:
         emit("meta", variant=cfg["variant"], scenario=cfg["scenario"], world=world, model=info, setup_s=setup_s)
 
-    steps, warmup, accum, mb = cfg["steps"], cfg["warmup"], cfg["grad_accum"], cfg["micro_batch"]
-    gen = torch.Generator().manual_seed(cfg["data_seed"])
-    data = torch.randint(0, cfg["model"]["vocab"], (warmup + steps, accum, world * mb, cfg["model"]["seq"]),
-                         generator=gen)  # fmt: skip
-    data = data[:, :, rank * mb : (rank + 1) * mb].contiguous()  # this rank's slice of every global batch
+    steps, warmup = cfg["steps"], cfg["warmup"]
+    data = _rank_batches(cfg, rank, world)
 
     losses: list[float] = []
     warm_times = []
@@ -488,35 +495,145 @@ def train(cfg: dict[str, Any]) -> None:
     }
     rows = gathered(mine)
     if rank == 0:
-        per_step_max = [max(r["times_ms"][i] for r in rows) for i in range(steps)]
-        step_losses = [sum(r["losses"][i] for r in rows) / world for i in range(warmup + steps)]
-        emit(
-            "run",
-            variant=cfg["variant"],
-            scenario=cfg["scenario"],
-            world=world,
-            model=info,
-            steps=steps,
-            warmup=warmup,
-            step_ms=per_step_max,
-            step_ms_median=statistics.median(per_step_max),
-            warmup_ms=[max(r["warmup_ms"][i] for r in rows) for i in range(warmup)],
-            times_ms_per_rank=[r["times_ms"] for r in rows],
-            phases_ms_per_rank=[r["phases_ms"] for r in rows],  # per step, mean over the measured steps
-            losses=step_losses,
-            loss=step_losses[-1],
-            nodes=[{"node": r["node"], "delta": r["delta"], "overhead": r["overhead"]} for r in rows if r["delta"]],
-            counted=[r["counted"] for r in rows] if rows[0]["counted"] is not None else None,
-            comm_seconds_per_rank=[r["comm_seconds"] for r in rows] if rows[0]["comm_seconds"] is not None else None,
-            peak_rss_per_rank=[r["peak_rss"] for r in rows],
-            rss_before_train_per_rank=[r["rss_before_train"] for r in rows],
-            heap_per_rank=[r["heap"] for r in rows],
-            memory_stats_per_rank=[r["memory_stats"] for r in rows] if rows[0]["memory_stats"] else None,
-            setup_s=setup_s,
-            extra=system.extra,
-        )
-        if not all(math.isfinite(x) for x in step_losses):
-            print(f"warning: non-finite loss {step_losses}", file=sys.stderr)
+        _emit_run(system, rows, info, steps, warmup, setup_s)
+
+
+def _rank_batches(cfg: dict[str, Any], rank: int, world: int) -> torch.Tensor:
+    """This rank's slice of every global batch, (warmup + steps, grad_accum, micro_batch, seq): the same for all."""
+    steps, mb = cfg["warmup"] + cfg["steps"], cfg["micro_batch"]
+    gen = torch.Generator().manual_seed(cfg["data_seed"])
+    data = torch.randint(0, cfg["model"]["vocab"], (steps, cfg["grad_accum"], world * mb, cfg["model"]["seq"]),
+                         generator=gen)  # fmt: skip
+    return data[:, :, rank * mb : (rank + 1) * mb].contiguous()
+
+
+def _emit_run(
+    system: System,
+    rows: list[dict[str, Any]],
+    info: dict[str, Any],
+    steps: int,
+    warmup: int,
+    setup_s: float,
+    interleaved: bool = False,
+) -> None:
+    """Rank 0's ``run`` record from every rank's figures (``rows``); memory figures where the rows have them."""
+    world = len(rows)
+    per_step_max = [max(r["times_ms"][i] for r in rows) for i in range(steps)]
+    step_losses = [sum(r["losses"][i] for r in rows) / world for i in range(warmup + steps)]
+    memory = {
+        f"{key}_per_rank": [r[key] for r in rows] for key in ("peak_rss", "rss_before_train", "heap") if key in rows[0]
+    }
+    emit(
+        "run",
+        variant=system.cfg["variant"],
+        scenario=system.cfg["scenario"],
+        world=world,
+        model=info,
+        steps=steps,
+        warmup=warmup,
+        interleaved=interleaved,
+        step_ms=per_step_max,
+        step_ms_median=statistics.median(per_step_max),
+        warmup_ms=[max(r["warmup_ms"][i] for r in rows) for i in range(warmup)],
+        times_ms_per_rank=[r["times_ms"] for r in rows],
+        phases_ms_per_rank=[r["phases_ms"] for r in rows],  # per step, mean over the measured steps
+        losses=step_losses,
+        loss=step_losses[-1],
+        nodes=[{"node": r["node"], "delta": r["delta"], "overhead": r["overhead"]} for r in rows if r["delta"]],
+        counted=[r["counted"] for r in rows] if rows[0]["counted"] is not None else None,
+        comm_seconds_per_rank=[r["comm_seconds"] for r in rows] if rows[0]["comm_seconds"] is not None else None,
+        **memory,
+        memory_stats_per_rank=[r["memory_stats"] for r in rows] if rows[0]["memory_stats"] else None,
+        setup_s=setup_s,
+        extra=system.extra,
+    )
+    if not all(math.isfinite(x) for x in step_losses):
+        print(f"warning: non-finite loss {step_losses}", file=sys.stderr)
+
+
+def interleave(cfg: dict[str, Any]) -> None:
+    """Every variant of ``cfg["variants"]`` (paro only) in this launch, their measured steps taken in turns.
+
+    Each variant gets its own model (the same seed) and optimizer, and ``warmup`` steps of its own. Then ``steps``
+    rounds each run one step of every variant (each bracketed by barriers and, on local rank 0, the link counters),
+    a round starting one variant later than the one before: a slow spell of the machine falls on all variants
+    alike, where one launch per variant puts each in its own spell (on 2 shared cores the same variant measured up
+    to 20 % apart between launches). The first variant probes the model (put ``paro:auto`` first: its plan weighs
+    every strategy) and the others are planned with its figures, so every prediction of the launch comes from one
+    probe. Rank 0 emits a ``run`` record per variant, as ``train`` does, without the process-wide memory figures.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    node = int(os.environ.get("GROUP_RANK", "0"))
+    bar = dist.new_group(backend="gloo")
+    iface = os.environ.get("GLOO_SOCKET_IFNAME") or "lo"
+    counter_ifaces = sorted({iface, "lo"}) if int(os.environ.get("LOCAL_RANK", "0")) == 0 else None
+    systems: list[tuple[System, dict[str, Any], float]] = []
+    links = None
+    for variant in cfg["variants"]:
+        if not variant.startswith("paro:"):
+            raise ValueError(f"interleave runs paro variants only, not {variant!r}")
+        vcfg = {**cfg, "variant": variant}
+        t0 = time.perf_counter()
+        model, info = apply_scenario(build_model(vcfg), vcfg)
+        system = System(vcfg, model, cfg["nodes"], cfg["per_node"], links=links)
+        links = system.links
+        systems.append((system, info, time.perf_counter() - t0))
+    steps, warmup = cfg["steps"], cfg["warmup"]
+    data = _rank_batches(cfg, rank, world)
+    losses: list[list[float]] = [[] for _ in systems]
+    warm_ms: list[list[float]] = [[] for _ in systems]
+    for (system, _, _), mine, warm in zip(systems, losses, warm_ms, strict=True):
+        for i in range(warmup):
+            dist.barrier(group=bar)
+            start = time.perf_counter()
+            mine.append(system.train_step(data[i]))
+            warm.append((time.perf_counter() - start) * 1e3)
+    # what one visit's barriers and counter reads add to the counters, measured with no step at all
+    overhead = _sum_deltas([timed_section(None, lambda: None, 1, bar, counter_ifaces, False)[1] for _ in range(steps)])
+    n = len(systems)
+    times: list[list[float]] = [[] for _ in systems]
+    deltas: list[list[Any]] = [[] for _ in systems]
+    totals: list[dict[str, dict[str, float]]] = [{"counted": {}, "comm": {}, "phases": {}} for _ in systems]
+    for r in range(steps):
+        for j in range(n):
+            k = (r + j) % n
+            system = systems[k][0]
+            system.reset_counted()
+
+            def one_step(k: int = k, system: System = system, batches: torch.Tensor = data[warmup + r]) -> None:
+                losses[k].append(system.train_step(batches))
+
+            ms, delta, _ = timed_section(one_step, lambda: None, 1, bar, counter_ifaces, False)
+            times[k] += ms
+            deltas[k].append(delta)
+            for key, got in (("counted", system.counted()), ("comm", system.comm_seconds()), ("phases", system.phases)):
+                for name, x in (got or {}).items():
+                    totals[k][key][name] = totals[k][key].get(name, 0) + x
+    for k, (system, info, setup_s) in enumerate(systems):
+        mine = {
+            "rank": rank,
+            "node": node,
+            "times_ms": times[k],
+            "warmup_ms": warm_ms[k],
+            "losses": losses[k],
+            "delta": _sum_deltas(deltas[k]),
+            "overhead": overhead,
+            "counted": {name: int(x) for name, x in totals[k]["counted"].items()},
+            "comm_seconds": {name: x / steps for name, x in totals[k]["comm"].items()},
+            "memory_stats": system.memory_stats(),
+            "phases_ms": {name: x * 1e3 / steps for name, x in totals[k]["phases"].items()},
+        }
+        objs: list[Any] = [None] * world
+        dist.all_gather_object(objs, mine, group=bar)
+        if rank == 0:
+            _emit_run(system, objs, info, steps, warmup, setup_s, interleaved=True)
+
+
+def _sum_deltas(deltas: list[dict[str, dict[str, int]] | None]) -> dict[str, dict[str, int]] | None:
+    """The sum of link-counter deltas (interface -> rx/tx bytes); None where this rank reads no counters."""
+    if not deltas or deltas[0] is None:
+        return None
+    return {i: {k: sum(d[i][k] for d in deltas if d) for k in ("rx", "tx")} for i in deltas[0]}
 
 
 def main() -> None:
@@ -525,10 +642,7 @@ def main() -> None:
     cfg = json.loads(open(ap.parse_args().bench_config).read())
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.get("timeout_s", 300)))
-    if cfg["mode"] == "calibrate":
-        calibrate(cfg)
-    else:
-        train(cfg)
+    {"calibrate": calibrate, "train": train, "interleave": interleave}[cfg["mode"]](cfg)
     dist.barrier()
     if dist.get_rank() == 0:
         emit("done", variant=cfg.get("variant"))

@@ -21,7 +21,7 @@ from training import AUTO_SLACK, STEP_PARTS, TOLERANCE, prediction, summarize
 
 def shape_name(result: dict[str, Any]) -> str:
     cf = result["config"]
-    return f"{cf['nodes']} x {cf['per_node']}, {result['link']['rate']}"
+    return f"{cf['nodes']} x {cf['per_node']}, {result['link'].get('rate', 'localhost')}"
 
 
 def report(results: list[dict[str, Any]]) -> str:
@@ -33,8 +33,13 @@ def report(results: list[dict[str, Any]]) -> str:
         "",
         f"Commit {', '.join(commits)}; {results[0]['machine']['nproc']} cores; each cell the median over "
         f"{' / '.join(sorted({str(r['config']['repeats']) for r in results}))} launch(es) of the median over its "
-        "measured steps, predicted likewise (each launch measures its own compute throughput). "
-        "Error = predicted / measured - 1.",
+        "measured steps, predicted likewise (each launch measures its own compute throughput"
+        + (
+            "; interleaved: one launch per scenario for all its paro cells, one probe, steps in turns"
+            if any(r["config"].get("interleave") for r in results)
+            else ""
+        )
+        + "). Error = predicted / measured - 1.",
         "",
         f"| shape | scenario | strategies | within {TOLERANCE:.0%} | median error | worst error | Spearman ρ "
         f"| fastest measured | auto picked | pick / fastest (target ≤ {1 + AUTO_SLACK:.2f}) "

@@ -3,7 +3,8 @@
 A LLaMA-style model (transformers LlamaForCausalLM from a config, random weights, nothing downloaded) trains for a
 few steps with gradient accumulation in three scenarios: full-parameter, partial (about 1/16 of the parameters
 trainable) and LoRA (adapters on q/k/v/o only). Every variant runs in its own launch (one torchrun per node inside
-its namespace of the testbed, see benchmarks/testbed.sh), from the same initial weights on the same data. Per run:
+its namespace of the testbed, see benchmarks/testbed.sh), from the same initial weights on the same data; with
+``--interleave`` the paro variants of a scenario share one launch and take their measured steps in turns. Per run:
 step time, samples/s, bytes that crossed the inter-node links per step (/proc/net/dev of each node's veth), peak RSS
 per rank, the loss; for paro also the cost model's predicted communication time per step with link figures that
 ``paro_torch.calibrate()`` measured on the same testbed at the start. Writes
@@ -123,15 +124,22 @@ def model_config(args: argparse.Namespace) -> dict[str, int]:
 
 
 def launch_worker(
-    args: argparse.Namespace, cfg: dict[str, Any], stem: str, env: dict[str, str], port: int, logdir: Path
+    args: argparse.Namespace,
+    cfg: dict[str, Any],
+    stem: str,
+    env: dict[str, str],
+    port: int,
+    logdir: Path,
+    timeout: float | None = None,
 ) -> list[dict[str, Any]]:
-    """One launch of the worker with ``cfg``; returns its records (raises LaunchError)."""
+    """One launch of the worker with ``cfg`` (limit: ``timeout``, default ``--run-timeout``); returns its records
+    (raises LaunchError)."""
     logdir.mkdir(parents=True, exist_ok=True)
     cfg_path = logdir / f"{stem}.config.json"
     cfg_path.write_text(json.dumps(cfg, indent=1))
     script = [str(WORKER), "--bench-config", str(cfg_path)]
     cmds = torchrun_commands(args.nodes, args.per_node, script, base_env(args.per_node, env), port, args.no_testbed)
-    return run_launch(stem, cmds, logdir, args.run_timeout, log_stem=stem)
+    return run_launch(stem, cmds, logdir, timeout or args.run_timeout, log_stem=stem)
 
 
 def failure_reason(err: LaunchError) -> str:
@@ -192,6 +200,39 @@ def run_variant(
     run = next(r for r in recs if r["kind"] == "run")
     run.pop("kind")
     return {**base, **run, "ok": True, "wall_s": round(time.time() - start, 1)}
+
+
+def run_interleaved(
+    args: argparse.Namespace,
+    scenario: str,
+    names: list[str],
+    repeat: int,
+    calibration: dict[str, Any],
+    port: int,
+    logdir: Path,
+) -> list[dict[str, Any]]:
+    """One launch of the paro variants ``names`` in one scenario, their steps in turns (``--interleave``).
+
+    Returns a run record per variant, as ``run_variant`` does (all failed, with the reason, if the launch failed).
+    """
+    stem = f"{scenario}.paro-interleaved.r{repeat + 1}"
+    env = {"PARO_CALIBRATION": calibration["path"]} if calibration.get("ok") else {}
+    cfg = worker_config(args, mode="interleave", variants=names, scenario=scenario)
+    start = time.time()
+    try:
+        recs = launch_worker(args, cfg, stem, env, port, logdir, timeout=args.run_timeout * len(names))
+    except LaunchError as e:
+        wall = round(time.time() - start, 1)
+        reason = failure_reason(e)
+        return [{"scenario": scenario, "variant": n, "repeat": repeat, "ok": False, "reason": reason, "wall_s": wall}
+                for n in names]  # fmt: skip
+    wall = round((time.time() - start) / len(names), 1)  # the launch's time, shared out
+    runs = []
+    for rec in (r for r in recs if r["kind"] == "run"):
+        rec.pop("kind")
+        runs.append({"scenario": scenario, "variant": rec["variant"], "repeat": repeat, **rec, "ok": True,
+                     "wall_s": wall})  # fmt: skip
+    return runs
 
 
 # -------------------------------------------------------------------------------------------------- numbers
@@ -272,7 +313,7 @@ def summarize(result: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
                     inter_bytes_per_step=_median(inter),
                     inter_bytes_per_step_per_repeat=inter,
                     counted_inter_bytes_per_step=_median(counted),
-                    peak_rss_max=statistics.median(max(r["peak_rss_per_rank"]) for r in ok),
+                    peak_rss_max=_median([max(r["peak_rss_per_rank"]) for r in ok if r.get("peak_rss_per_rank")]),
                     peak_heap_max=_median([heap_growth(r) for r in ok if heap_growth(r) is not None]),
                     loss=first["loss"],
                     loss_per_repeat=[r["loss"] for r in ok],
@@ -484,7 +525,7 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(
                 f"| {name} | {r['step_s']:.3f} | {reps} | {r['samples_per_s']:.2f} | {_mb(r['inter_bytes_per_step'])} "
                 f"| {_mb(r.get('counted_inter_bytes_per_step'))} | {_mib(r.get('peak_heap_max'), '{:.0f}')} "
-                f"| {r['peak_rss_max'] / 2**20:.0f} "
+                f"| {_mib(r.get('peak_rss_max'), '{:.0f}')} "
                 f"| {_mib(r.get('model_states_max'), '{:.1f}')} | {r['loss']:.5f} |"
             )
         losses = [r["loss"] for r in rows if r["ok"]]
@@ -664,6 +705,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=int, default=180, help="process-group timeout (s)")
     ap.add_argument("--run-timeout", type=int, default=600, help="limit per launch (s); past it the run fails")
     ap.add_argument("--from-json", type=Path, help="only rewrite the .md and .png of an earlier run's JSON")
+    ap.add_argument("--interleave", action="store_true",
+                    help="the paro variants of a scenario in one launch, their steps in turns (auto first: its probe "
+                         "plans them all); no peak memory figures")  # fmt: skip
     args = ap.parse_args(argv)
     args.scenario_list = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     for s in args.scenario_list:
@@ -712,6 +756,7 @@ def main(argv: list[str] | None = None) -> int:
             "scenarios": args.scenario_list,
             "variants": args.variant_list,
             "repeats": args.repeats,
+            "interleave": args.interleave,
             "command": [sys.argv[0], *(argv if argv is not None else sys.argv[1:])],
         },
         "runs": [],
@@ -731,19 +776,26 @@ def main(argv: list[str] | None = None) -> int:
                 result["calibration"] = run_calibration(args, args.port, logdir)
                 launch_no += 1
                 print(f"{stamp()} calibration: {result['calibration']}", flush=True)
+            paro = [v for v in args.variant_list if VARIANTS[v].system == "paro"] if args.interleave else []
+            launches = ([paro] if paro else []) + [[v] for v in args.variant_list if v not in paro]
             for scenario in args.scenario_list:
                 for rep in range(args.repeats):
-                    for name in args.variant_list:
-                        done += 1
+                    for names in launches:
+                        done += len(names)
                         port = args.port + launch_no % 1000
                         launch_no += 1
-                        run = run_variant(args, scenario, VARIANTS[name], rep, result.get("calibration", {}), port,
-                                          logdir)  # fmt: skip
-                        result["runs"].append(run)
+                        calibration = result.get("calibration", {})
+                        runs = (
+                            run_interleaved(args, scenario, names, rep, calibration, port, logdir)
+                            if names is paro
+                            else [run_variant(args, scenario, VARIANTS[names[0]], rep, calibration, port, logdir)]
+                        )
+                        result["runs"] += runs
                         walls = [r["wall_s"] for r in result["runs"]]
                         eta = (total - done) * sum(walls) / len(walls) / 60
-                        print(f"{stamp()} {done}/{total} {scenario} r{rep + 1} {name}: {describe(run)}"
-                              + (f"; about {eta:.0f} min to go" if done < total else ""), flush=True)  # fmt: skip
+                        for run in runs:
+                            print(f"{stamp()} {done}/{total} {scenario} r{rep + 1} {run['variant']}: {describe(run)}"
+                                  + (f"; about {eta:.0f} min to go" if done < total else ""), flush=True)  # fmt: skip
                         ext(base, ".json").write_text(json.dumps(result, indent=1) + "\n")  # progress, if stopped
     finally:
         result["machine"]["loadavg_at_end"] = os.getloadavg()
