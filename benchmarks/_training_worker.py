@@ -554,8 +554,8 @@ def _emit_run(
 def interleave(cfg: dict[str, Any]) -> None:
     """Every variant of ``cfg["variants"]`` (paro only) in this launch, their measured steps taken in turns.
 
-    Each variant gets its own model (the same seed) and optimizer, and ``warmup`` steps of its own. Then ``steps``
-    rounds each run one step of every variant (each bracketed by barriers and, on local rank 0, the link counters),
+    Each variant gets its own model (the same seed) and optimizer. Then ``warmup`` rounds, and ``steps`` measured
+    rounds, each run one step of every variant (each bracketed by barriers and, on local rank 0, the link counters),
     a round starting one variant later than the one before: a slow spell of the machine falls on all variants
     alike, where one launch per variant puts each in its own spell (on 2 shared cores the same variant measured up
     to 20 % apart between launches). The first variant probes the model (put ``paro:auto`` first: its plan weighs
@@ -582,15 +582,16 @@ def interleave(cfg: dict[str, Any]) -> None:
     data = _rank_batches(cfg, rank, world)
     losses: list[list[float]] = [[] for _ in systems]
     warm_ms: list[list[float]] = [[] for _ in systems]
-    for (system, _, _), mine, warm in zip(systems, losses, warm_ms, strict=True):
-        for i in range(warmup):
+    n = len(systems)
+    for i in range(warmup):  # in turns too: warmed up alone, full NNN's first measured step ran 1.7x its later ones
+        for j in range(n):
+            k = (i + j) % n
             dist.barrier(group=bar)
             start = time.perf_counter()
-            mine.append(system.train_step(data[i]))
-            warm.append((time.perf_counter() - start) * 1e3)
+            losses[k].append(systems[k][0].train_step(data[i]))
+            warm_ms[k].append((time.perf_counter() - start) * 1e3)
     # what one visit's barriers and counter reads add to the counters, measured with no step at all
     overhead = _sum_deltas([timed_section(None, lambda: None, 1, bar, counter_ifaces, False)[1] for _ in range(steps)])
-    n = len(systems)
     times: list[list[float]] = [[] for _ in systems]
     deltas: list[list[Any]] = [[] for _ in systems]
     totals: list[dict[str, dict[str, float]]] = [{"counted": {}, "comm": {}, "phases": {}} for _ in systems]
