@@ -227,11 +227,16 @@ def run_interleaved(
         return [{"scenario": scenario, "variant": n, "repeat": repeat, "ok": False, "reason": reason, "wall_s": wall}
                 for n in names]  # fmt: skip
     wall = round((time.time() - start) / len(names), 1)  # the launch's time, shared out
+    found = {r["variant"]: r for r in recs if r["kind"] == "run"}
     runs = []
-    for rec in (r for r in recs if r["kind"] == "run"):
+    for name in names:
+        base = {"scenario": scenario, "variant": name, "repeat": repeat, "wall_s": wall}
+        rec = found.get(name)
+        if rec is None:
+            runs.append({**base, "ok": False, "reason": "the interleaved launch ended without this variant's record"})
+            continue
         rec.pop("kind")
-        runs.append({"scenario": scenario, "variant": rec["variant"], "repeat": repeat, **rec, "ok": True,
-                     "wall_s": wall})  # fmt: skip
+        runs.append({**base, **rec, "ok": True})
     return runs
 
 
