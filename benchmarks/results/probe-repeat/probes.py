@@ -2,7 +2,8 @@
 
     PYTHONPATH=. torchrun --standalone --nproc-per-node 4 benchmarks/results/probe-repeat/probes.py CALIBRATION.json
 
-``SC`` picks the scenario (``lora``, the default, ``partial`` or ``full``).
+``SC`` picks the scenario (``lora``, the default, ``partial`` or ``full``); ``MIN_S`` times the model's step and
+AdamW for at least that many seconds (the probe's default: 1).
 """
 
 import os
@@ -24,6 +25,9 @@ MODEL = {"hidden": 384, "intermediate": 1024, "layers": 4, "heads": 8, "kv_heads
 
 
 def main() -> None:
+    if os.environ.get("MIN_S"):
+        timed = auto._mean_seconds
+        auto._mean_seconds = lambda fn, repeats, group, min_s=1.0: timed(fn, repeats, group, float(os.environ["MIN_S"]))
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     cfg = {"model": MODEL, "seed": 0, "scenario": os.environ.get("SC", "lora"), "lora_r": 8, "partial_fraction": 1 / 16}
