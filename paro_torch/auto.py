@@ -17,6 +17,7 @@ import dataclasses
 import json
 import logging
 import os
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -499,7 +500,10 @@ def probe_model(
     ``example_inputs`` is one micro-batch: a dict of keyword arguments, a tuple of positional ones or a tensor.
     Compute: ``flops`` (what the cost model counts for the batch, ``model_flops``) over the seconds of the model's
     forward and backward, so that the figure calibrates the model's count, whatever the model spends beside
-    matrix products (norms, attention, the loss, Python). Overlap: ``measure_overlap`` with that step as the
+    matrix products (norms, attention, the loss, Python). The seconds are the median of the step's timings spread
+    over the probe: one at its start and the compute loops the overlap probe times alone, one per level and
+    collective (at 2 x 2 on 2 cores one timing read 0.183-0.209 s in six probes, their median 0.182-0.192 s:
+    benchmarks/results/probe-repeat/). Overlap: ``measure_overlap`` with that step as the
     compute, in loops of at least ``overlap_steps`` steps (a model step is often longer than the default loop; at
     2 x 2 on 2 cores, loops of one 0.3 s step read an intra-group slowdown of 2.3 to 9.0 between launches of one
     configuration, loops of two 3.0 to 5.1: benchmarks/README.md, "Probe loop length"). Optimizer: AdamW over zero
@@ -544,9 +548,11 @@ def probe_model(
         opt_step, numel = _optimizer_step(shapes, device)
         seconds.append(_mean_seconds(opt_step, repeats, groups.whole) / numel)  # per parameter
     t = _ranks_mean(torch.tensor(seconds, dtype=torch.float64, device=device), groups)
+    assert links.overlap_loops is not None
+    loops = [row[0] for row in links.overlap_loops.values() if row[0] > 0]  # levels of one rank timed nothing
     return dataclasses.replace(
         links,
-        compute_flops=flops / float(t[0]),
+        compute_flops=flops / statistics.median([float(t[0]), *loops]),
         compute_probe="model",
         optimizer_params_per_s=1 / float(t[1]) if shapes else links.optimizer_params_per_s,
     )

@@ -38,9 +38,11 @@ def main() -> None:
     for i in range(3):
         t0 = time.perf_counter()
         got = auto.probe_model(links, groups, model, {"input_ids": x, "labels": x}, 1e9, torch.device("cpu"))
+        loops = " ".join(f"{row[0]:.4f}" for row in got.overlap_loops.values())
         if dist.get_rank() == 0:
             print(
-                f"probe {i}: step {1e9 / got.compute_flops:.4f} s, intra slowdown {got.intra_slowdown:.2f} "
+                f"probe {i}: step {1e9 / got.compute_flops:.4f} s (loops' steps {loops}), "
+                f"intra slowdown {got.intra_slowdown:.2f} "
                 f"rs {got.intra_reduce_scatter_slowdown:.2f} overlap {got.intra_overlap:.2f}, "
                 f"inter slowdown {got.inter_slowdown:.2f}, adamw {got.optimizer_params_per_s / 1e6:.1f} M/s "
                 f"({time.perf_counter() - t0:.0f} s)",
