@@ -5,10 +5,10 @@
 //! next unit's gather while the current one computes, with at most two units unsharded (the gather of unit u+1
 //! waits for the compute of unit u−1; [`IssuePolicy`], which the engine follows too). After a unit's backward
 //! its gradients are reduced (g ≠ N); at the last micro-step t_syncg follows. The optimizer step waits for every
-//! reduction. t_syncp of a unit runs right before its first gather of the next step, after the optimizer step,
-//! so it hides only behind the forward of earlier units. Collectives queue on their level's links in issue order
-//! (an intra-group and an inter-group call run at once; a global call holds both); compute waits only for what it
-//! needs.
+//! reduction, and so does the next micro-step (the engine's backward returns once its reductions are done). t_syncp
+//! of a unit runs right before its first gather of the next step, after the optimizer step, so it hides only
+//! behind the forward of earlier units. Collectives queue on their level's links in issue order (an intra-group
+//! and an inter-group call run at once; a global call holds both); compute waits only for what it needs.
 //!
 //! Where collectives and compute share a rank's cores (`Cluster::intra_overlap`, `intra_slowdown` and their
 //! inter-group twins), the simulation runs them at rates: while compute runs, a collective progresses at
@@ -256,18 +256,20 @@ impl Context<'_> {
             last
         };
         let mut boundary = Vec::new();
+        // the engine's backward returns once the micro-step's reductions are done: what follows waits for them
+        let mut settled: Option<usize> = None;
         for micro in 0..accum {
             let sync_param = |u: usize| if micro == 0 { &calls[u].sync_param[..] } else { &[][..] };
             // forward: unit u+1's gather is issued before unit u computes, once the policy lets it hold memory
             let mut forward: Vec<usize> = Vec::with_capacity(units);
             let mut ready = {
-                let synced = chain(&mut sim, sync_param(0), None, None);
-                chain(&mut sim, &calls[0].gather, synced, None)
+                let synced = chain(&mut sim, sync_param(0), settled, None);
+                chain(&mut sim, &calls[0].gather, synced, settled)
             };
             for u in 0..units {
                 let next = if u + 1 < units {
-                    let memory = policy.frees_memory_for(u + 1).map(|v| forward[v]);
-                    let synced = chain(&mut sim, sync_param(u + 1), None, None);
+                    let memory = policy.frees_memory_for(u + 1).map(|v| forward[v]).or(settled);
+                    let synced = chain(&mut sim, sync_param(u + 1), settled, None);
                     chain(&mut sim, &calls[u + 1].gather, synced, memory)
                 } else {
                     None
@@ -278,6 +280,7 @@ impl Context<'_> {
             // backward, in reverse; each unit's reductions (and t_syncg at the last micro-step) after it
             let last_forward = forward.last().copied();
             let mut backward: Vec<Option<usize>> = vec![None; units];
+            let mut reductions = Vec::new();
             let mut ready = chain(&mut sim, &calls[units - 1].gather, None, last_forward);
             for u in (0..units).rev() {
                 let next = if u > 0 {
@@ -294,9 +297,16 @@ impl Context<'_> {
                 let mut tail = chain(&mut sim, &calls[u].reduce, Some(done), None);
                 if micro + 1 == accum {
                     tail = chain(&mut sim, &calls[u].sync_grad, tail, None);
-                    boundary.push(tail);
+                }
+                if tail != Some(done) {
+                    reductions.push(tail);
                 }
                 ready = next;
+            }
+            if micro + 1 == accum {
+                boundary = reductions;
+            } else if !reductions.is_empty() {
+                settled = Some(sim.compute(0.0, &reductions));
             }
         }
         let shard: u64 = self.sizes(s).iter().map(|&(tr, _)| tr).sum::<u64>() / self.degree(s.os);
