@@ -433,19 +433,28 @@ def calibrate(cfg: dict[str, Any]) -> None:
         emit("calibration", path=cfg["calibration_path"], links=_asdict(links))
 
 
+class _Rank:
+    """What a measuring rank needs besides the model: its node, a Gloo group for barriers and gathering results
+    (off the measured groups) and the interfaces whose byte counters it reads (local rank 0 only)."""
+
+    def __init__(self) -> None:
+        self.node = int(os.environ.get("GROUP_RANK", "0"))
+        self.bar = dist.new_group(backend="gloo")
+        iface = os.environ.get("GLOO_SOCKET_IFNAME") or "lo"
+        self.counter_ifaces = sorted({iface, "lo"}) if int(os.environ.get("LOCAL_RANK", "0")) == 0 else None
+
+    def gathered(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order."""
+        objs: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(objs, obj, group=self.bar)
+        return objs
+
+
 def train(cfg: dict[str, Any]) -> None:
     """Builds, wraps, warms up and measures one variant; rank 0 emits a ``run`` record."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    node = int(os.environ.get("GROUP_RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    bar = dist.new_group(backend="gloo")  # barriers and result gathering stay off the measured groups
-    iface = os.environ.get("GLOO_SOCKET_IFNAME") or "lo"
-    counter_ifaces = sorted({iface, "lo"}) if local_rank == 0 else None
-
-    def gathered(obj: Any) -> list[Any]:
-        objs: list[Any] = [None] * world
-        dist.all_gather_object(objs, obj, group=bar)
-        return objs
+    me = _Rank()
+    node, bar, counter_ifaces, gathered = me.node, me.bar, me.counter_ifaces, me.gathered
 
     heap = HeapSampler().start()  # before the model exists: the peak minus this is what training added
     t0 = time.perf_counter()
@@ -563,10 +572,8 @@ def interleave(cfg: dict[str, Any]) -> None:
     probe. Rank 0 emits a ``run`` record per variant, as ``train`` does, without the process-wide memory figures.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    node = int(os.environ.get("GROUP_RANK", "0"))
-    bar = dist.new_group(backend="gloo")
-    iface = os.environ.get("GLOO_SOCKET_IFNAME") or "lo"
-    counter_ifaces = sorted({iface, "lo"}) if int(os.environ.get("LOCAL_RANK", "0")) == 0 else None
+    me = _Rank()
+    node, bar, counter_ifaces = me.node, me.bar, me.counter_ifaces
     systems: list[tuple[System, dict[str, Any], float]] = []
     links = None
     for variant in cfg["variants"]:
@@ -624,8 +631,7 @@ def interleave(cfg: dict[str, Any]) -> None:
             "memory_stats": system.memory_stats(),
             "phases_ms": {name: x * 1e3 / steps for name, x in totals[k]["phases"].items()},
         }
-        objs: list[Any] = [None] * world
-        dist.all_gather_object(objs, mine, group=bar)
+        objs = me.gathered(mine)
         if rank == 0:
             _emit_run(system, objs, info, steps, warmup, setup_s, interleaved=True)
 

@@ -174,6 +174,11 @@ def run_calibration(args: argparse.Namespace, port: int, logdir: Path) -> dict[s
     return {"ok": True, "path": str(path), "links": rec["links"], "wall_s": round(time.time() - start, 1)}
 
 
+def _calibration_env(calibration: dict[str, Any]) -> dict[str, str]:
+    """The environment that points a paro launch at the layout's calibration (none where it failed)."""
+    return {"PARO_CALIBRATION": calibration["path"]} if calibration.get("ok") else {}
+
+
 def run_variant(
     args: argparse.Namespace,
     scenario: str,
@@ -185,9 +190,7 @@ def run_variant(
 ) -> dict[str, Any]:
     """One launch of one variant in one scenario; returns the run record (``ok`` False with a reason on failure)."""
     stem = f"{scenario}.{variant.name.replace(':', '-')}.r{repeat + 1}"
-    env: dict[str, str] = {}
-    if variant.system == "paro" and calibration.get("ok"):
-        env["PARO_CALIBRATION"] = calibration["path"]
+    env = _calibration_env(calibration) if variant.system == "paro" else {}
     if variant.system == "deepspeed":
         env["DS_ACCELERATOR"] = "cpu"
     cfg = worker_config(args, mode="train", variant=variant.name, scenario=scenario)
@@ -216,7 +219,7 @@ def run_interleaved(
     Returns a run record per variant, as ``run_variant`` does (all failed, with the reason, if the launch failed).
     """
     stem = f"{scenario}.paro-interleaved.r{repeat + 1}"
-    env = {"PARO_CALIBRATION": calibration["path"]} if calibration.get("ok") else {}
+    env = _calibration_env(calibration)
     cfg = worker_config(args, mode="interleave", variants=names, scenario=scenario)
     start = time.time()
     try:
