@@ -273,8 +273,12 @@ class OverlapLoops:
         """
         work = alone if alone is not None else self.collectives
         slowdown = self.collectives_beside / work
-        lost = self.compute_beside - self.steps_beside * self.step
-        return Overlap(fraction=min(max(1.0 - lost / work, 0.0), 1.0), slowdown=min(max(slowdown, 1.0), 100.0))
+        return Overlap(fraction=min(max(1.0 - self.lost_seconds() / work, 0.0), 1.0),
+                       slowdown=min(max(slowdown, 1.0), 100.0))  # fmt: skip
+
+    def lost_seconds(self) -> float:
+        """The compute seconds lost beside the collectives: the steps' seconds less their time alone."""
+        return self.compute_beside - self.steps_beside * self.step
 
 
 def measure_overlap(
@@ -431,29 +435,39 @@ _PROBED = [_Probed(f"{level}_{op}", level, op, 4 << 20) for level in ("intra", "
 def overlaps_from_loops(links: LinkCalibration, groups: ParoGroups) -> dict[str, float]:
     """The overlap figures (``LinkCalibration`` fields) from ``links.overlap_loops``, priced by ``links``' own links.
 
-    The gathers give a level's overlap and slowdown; the reduce-scatters their own slowdown; the small gathers (where
-    recorded) the slowdown of the level's ring steps.
+    The gathers give a level's slowdown; the reduce-scatters their own slowdown; the small gathers (where recorded)
+    the slowdown of the level's ring steps; all of a level's loops together its overlap (the compute they cost over
+    their work: one loop's loss is a small difference of two timings, noisy on shared cores).
     """
     assert links.overlap_loops is not None
     figures = {}
+    lost = {"intra": 0.0, "inter": 0.0}  # compute seconds lost beside the level's loops, and their work
+    work = {"intra": 0.0, "inter": 0.0}
     for p in _PROBED:
         if p.key not in links.overlap_loops:
             continue  # recorded before the probe timed it
         k = groups.group_size if p.level == "intra" else groups.num_groups  # the level's ranks
         if k == 1:
             rates = Overlap(1.0, 1.0)
+            figures[f"{p.level}_overlap"] = 1.0
         else:
             bandwidth = getattr(links, f"{p.level}_bandwidth")
             if p.op == "reduce_scatter":
                 bandwidth = getattr(links, f"{p.level}_reduce_scatter_bandwidth") or bandwidth
             loops = OverlapLoops(*links.overlap_loops[p.key])
-            rates = loops.rates(loops.alone_seconds(k, bandwidth, getattr(links, f"{p.level}_latency")))
+            alone = loops.alone_seconds(k, bandwidth, getattr(links, f"{p.level}_latency"))
+            rates = loops.rates(alone)
+            lost[p.level] += loops.lost_seconds()
+            work[p.level] += alone
         if p.nbytes < 1 << 20:
             figures[f"{p.level}_latency_slowdown"] = rates.slowdown
         elif p.op == "all_gather":
-            figures |= {f"{p.level}_overlap": rates.fraction, f"{p.level}_slowdown": rates.slowdown}
+            figures[f"{p.level}_slowdown"] = rates.slowdown
         else:
             figures[f"{p.level}_reduce_scatter_slowdown"] = rates.slowdown
+    for level, seconds in work.items():
+        if seconds > 0:
+            figures[f"{level}_overlap"] = min(max(1.0 - lost[level] / seconds, 0.0), 1.0)
     return figures
 
 

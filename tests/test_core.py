@@ -141,6 +141,9 @@ def test_small_gathers_give_the_ring_steps_slowdown_and_old_records_none() -> No
     got = auto.overlaps_from_loops(links, groups)  # type: ignore[arg-type]
     assert got["intra_latency_slowdown"] == pytest.approx(0.4 / (100 * (1e-3 + 2048 / 1e9)))
     assert "inter_latency_slowdown" not in got and "inter_slowdown" in got
+    # the level's overlap from all its loops: the compute they cost (0.1, 0.1 and 0.02 s) over their work
+    work = 2 * 50 * (1e-3 + (2 << 20) / 1e9) + 100 * (1e-3 + 2048 / 1e9)
+    assert got["intra_overlap"] == pytest.approx(1 - 0.22 / work)
     assert "intra_latency_slowdown" not in auto.overlaps_from_loops(dataclasses.replace(links, overlap_loops=loops),
                                                                     groups)  # type: ignore[arg-type]  # fmt: skip
 
