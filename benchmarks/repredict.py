@@ -78,7 +78,8 @@ def repredict(
             continue
         if run["scenario"] not in blocks:
             blocks[run["scenario"]] = blocks_of(cfg, run["scenario"], groups)
-        links = LinkCalibration(**extra["links"])
+        known = LinkCalibration.__dataclass_fields__  # a record may carry figures a later probe no longer takes
+        links = LinkCalibration(**{k: v for k, v in extra["links"].items() if k in known})
         if links.overlap_loops is not None:  # the overlap figures as the installed probe derives them
             links = dataclasses.replace(links, **auto.overlaps_from_loops(links, groups))
         links = dataclasses.replace(links, **overrides)

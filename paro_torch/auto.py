@@ -71,14 +71,9 @@ class LinkCalibration:
     ``intra_slowdown``)."""
     inter_reduce_scatter_slowdown: float | None = None
     """The same for inter-group reduce-scatters."""
-    intra_latency_slowdown: float | None = None
-    """How much slower an intra-group collective's ring steps (its latency) run beside compute (None: not measured,
-    taken as ``intra_slowdown``): from the overlap probe's small all-gathers."""
-    inter_latency_slowdown: float | None = None
-    """The same for inter-group collectives."""
     overlap_loops: dict[str, list[float]] | None = None
-    """The overlap probe's timings the overlap figures come from, by level and collective ("intra_all_gather", ...,
-    "intra_small_all_gather", ...): ``OverlapLoops``' fields, the ranks' median of each (None: not measured)."""
+    """The overlap probe's timings the overlap figures come from, by level and collective ("intra_all_gather", ...):
+    ``OverlapLoops``' fields, the ranks' median of each (None: not measured)."""
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Writes the figures as JSON (reuse them with ``PARO_CALIBRATION=path``)."""
@@ -415,56 +410,38 @@ def _ranks_mean(seconds: torch.Tensor, groups: ParoGroups) -> torch.Tensor:
     return seconds / groups.world
 
 
-@dataclass(frozen=True)
-class _Probed:
-    """One loop of the overlap probe: a level's collective on ``nbytes`` (recorded as ``key``)."""
-
-    key: str
-    level: str
-    op: str
-    nbytes: int
-
-
-# the engine's collectives on 4 MB (the level's overlap, slowdown and reduce-scatter slowdown), and small all-gathers
-# (its ring steps' slowdown: where collectives share cores with compute a small call slows down more than a large one)
-_PROBED = [_Probed(f"{level}_{op}", level, op, 4 << 20) for level in ("intra", "inter")
-           for op in ("all_gather", "reduce_scatter")] + [
-    _Probed(f"{level}_small_all_gather", level, "all_gather", 4 << 10) for level in ("intra", "inter")]  # fmt: skip
+_PROBED = [(level, op) for level in ("intra", "inter") for op in ("all_gather", "reduce_scatter")]
 
 
 def overlaps_from_loops(links: LinkCalibration, groups: ParoGroups) -> dict[str, float]:
     """The overlap figures (``LinkCalibration`` fields) from ``links.overlap_loops``, priced by ``links``' own links.
 
-    The gathers give a level's slowdown; the reduce-scatters their own slowdown; the small gathers (where recorded)
-    the slowdown of the level's ring steps; all of a level's loops together its overlap (the compute they cost over
-    their work: one loop's loss is a small difference of two timings, noisy on shared cores).
+    The gathers give a level's slowdown, the reduce-scatters their own slowdown, and both together the level's
+    overlap (the compute they cost over their work: one loop's loss is a small difference of two timings, noisy on
+    shared cores; one launch read 0.99 from the gathers' alone where others read 0.0-0.4).
     """
     assert links.overlap_loops is not None
     figures = {}
     lost = {"intra": 0.0, "inter": 0.0}  # compute seconds lost beside the level's loops, and their work
     work = {"intra": 0.0, "inter": 0.0}
-    for p in _PROBED:
-        if p.key not in links.overlap_loops:
-            continue  # recorded before the probe timed it
-        k = groups.group_size if p.level == "intra" else groups.num_groups  # the level's ranks
+    for level, op in _PROBED:
+        k = groups.group_size if level == "intra" else groups.num_groups  # the level's ranks
         if k == 1:
             rates = Overlap(1.0, 1.0)
-            figures[f"{p.level}_overlap"] = 1.0
+            figures[f"{level}_overlap"] = 1.0
         else:
-            bandwidth = getattr(links, f"{p.level}_bandwidth")
-            if p.op == "reduce_scatter":
-                bandwidth = getattr(links, f"{p.level}_reduce_scatter_bandwidth") or bandwidth
-            loops = OverlapLoops(*links.overlap_loops[p.key])
-            alone = loops.alone_seconds(k, bandwidth, getattr(links, f"{p.level}_latency"))
+            bandwidth = getattr(links, f"{level}_bandwidth")
+            if op == "reduce_scatter":
+                bandwidth = getattr(links, f"{level}_reduce_scatter_bandwidth") or bandwidth
+            loops = OverlapLoops(*links.overlap_loops[f"{level}_{op}"])
+            alone = loops.alone_seconds(k, bandwidth, getattr(links, f"{level}_latency"))
             rates = loops.rates(alone)
-            lost[p.level] += loops.lost_seconds()
-            work[p.level] += alone
-        if p.nbytes < 1 << 20:
-            figures[f"{p.level}_latency_slowdown"] = rates.slowdown
-        elif p.op == "all_gather":
-            figures[f"{p.level}_slowdown"] = rates.slowdown
+            lost[level] += loops.lost_seconds()
+            work[level] += alone
+        if op == "all_gather":
+            figures[f"{level}_slowdown"] = rates.slowdown
         else:
-            figures[f"{p.level}_reduce_scatter_slowdown"] = rates.slowdown
+            figures[f"{level}_reduce_scatter_slowdown"] = rates.slowdown
     for level, seconds in work.items():
         if seconds > 0:
             figures[f"{level}_overlap"] = min(max(1.0 - lost[level] / seconds, 0.0), 1.0)
@@ -480,10 +457,10 @@ def _overlaps(
     cores one rank's figure can read several times the others' (a noisy figure, not a bound).
     """
     loops = []
-    for p in _PROBED:
-        pg = groups.intra if p.level == "intra" else groups.inter
+    for level, op in _PROBED:
+        pg = groups.intra if level == "intra" else groups.inter
         found = (
-            measure_overlap(device, pg, step, nbytes=p.nbytes, align=groups.whole, op=p.op, loop_steps=loop_steps)
+            measure_overlap(device, pg, step, align=groups.whole, op=op, loop_steps=loop_steps)
             if pg is not None
             else None
         )
@@ -493,7 +470,7 @@ def _overlaps(
     every = [torch.empty_like(t) for _ in range(groups.world)]
     dist.all_gather(every, t, group=groups.whole)
     t = torch.quantile(torch.stack(every), 0.5, dim=0)  # of an even count: the mean of the middle two
-    recorded = {p.key: [float(x) for x in row] for p, row in zip(_PROBED, t, strict=True)}
+    recorded = {f"{level}_{op}": [float(x) for x in row] for (level, op), row in zip(_PROBED, t, strict=True)}
     links = dataclasses.replace(links, overlap_loops=recorded)
     return dataclasses.replace(links, **overlaps_from_loops(links, groups))
 
@@ -539,8 +516,8 @@ def probe_model(
     Compute: ``flops`` (what the cost model counts for the batch, ``model_flops``) over the seconds of the model's
     forward and backward, so that the figure calibrates the model's count, whatever the model spends beside
     matrix products (norms, attention, the loss, Python). The seconds are the median of the step's timings spread
-    over the probe: one at its start and the compute loops the overlap probe times alone, one per loop (at 2 x 2 on
-    2 cores one timing read 0.183-0.209 s in six probes, the median of it and four loops' 0.182-0.192 s:
+    over the probe: one at its start and the compute loops the overlap probe times alone, one per level and
+    collective (at 2 x 2 on 2 cores one timing read 0.183-0.209 s in six probes, their median 0.182-0.192 s:
     benchmarks/results/probe-repeat/). Overlap: ``measure_overlap`` with that step as the
     compute, in loops of at least ``overlap_steps`` steps (a model step is often longer than the default loop; at
     2 x 2 on 2 cores, loops of one 0.3 s step read an intra-group slowdown of 2.3 to 9.0 between launches of one
@@ -619,7 +596,7 @@ def _request(
         "memory_bytes": memory_budget,
         "shared_cores": shared_cores,
     }
-    figures = ("overlap", "slowdown", "reduce_scatter_bandwidth", "reduce_scatter_slowdown", "latency_slowdown")
+    figures = ("overlap", "slowdown", "reduce_scatter_bandwidth", "reduce_scatter_slowdown")
     measured = [f"{level}_{figure}" for figure in figures for level in ("intra", "inter")]
     for name in ("optimizer_params_per_s", *measured):
         if getattr(links, name) is not None:

@@ -1,7 +1,6 @@
 """The Rust core as Python sees it: strategies, topology errors, layout, plans."""
 
 import contextlib
-import dataclasses
 import json
 from collections.abc import Iterator
 
@@ -127,25 +126,21 @@ def test_overlap_loops_are_priced_as_the_cost_model_prices_a_ring() -> None:
     assert loops.alone_seconds(4, bandwidth=1024.0, latency=0.01) == pytest.approx(3 * (3 * 0.01 + 3.0), abs=1e-12)
 
 
-def test_small_gathers_give_the_ring_steps_slowdown_and_old_records_none() -> None:
-    """The small all-gathers' loop beside compute over its price: the level's latency slowdown (one ring step)."""
+def test_a_levels_overlap_comes_from_all_its_loops_together() -> None:
+    """Compute lost beside the gathers and the reduce-scatters of a level, over their work (2 x 2, one ring step)."""
     import types
 
     from paro_torch import auto
 
-    big = [0.1, 0.5, 1.0, 10, 1.1, 50, 4 << 20]  # step, alone, beside, steps beside, their seconds, calls, nbytes
-    small = [0.1, 0.11, 0.4, 4, 0.42, 100, 4 << 10]
-    loops = {f"{level}_{op}": big for level in ("intra", "inter") for op in ("all_gather", "reduce_scatter")}
-    links = auto.LinkCalibration(1e9, 1e8, 1e-3, 2e-3, overlap_loops=loops | {"intra_small_all_gather": small})
-    groups = types.SimpleNamespace(group_size=2, num_groups=2)
-    got = auto.overlaps_from_loops(links, groups)  # type: ignore[arg-type]
-    assert got["intra_latency_slowdown"] == pytest.approx(0.4 / (100 * (1e-3 + 2048 / 1e9)))
-    assert "inter_latency_slowdown" not in got and "inter_slowdown" in got
-    # the level's overlap from all its loops: the compute they cost (0.1, 0.1 and 0.02 s) over their work
-    work = 2 * 50 * (1e-3 + (2 << 20) / 1e9) + 100 * (1e-3 + 2048 / 1e9)
-    assert got["intra_overlap"] == pytest.approx(1 - 0.22 / work)
-    assert "intra_latency_slowdown" not in auto.overlaps_from_loops(dataclasses.replace(links, overlap_loops=loops),
-                                                                    groups)  # type: ignore[arg-type]  # fmt: skip
+    gather = [0.1, 0.5, 1.0, 10, 1.02, 50, 4 << 20]  # step, alone, beside, steps beside, their seconds, calls, nbytes
+    scatter = [0.1, 0.5, 1.0, 10, 1.06, 50, 4 << 20]  # 0.02 s and 0.06 s of compute lost
+    loops = {f"{level}_{op}": gather if op == "all_gather" else scatter for level in ("intra", "inter")
+             for op in ("all_gather", "reduce_scatter")}  # fmt: skip
+    links = auto.LinkCalibration(1e9, 1e8, 1e-3, 2e-3, overlap_loops=loops)
+    got = auto.overlaps_from_loops(links, types.SimpleNamespace(group_size=2, num_groups=2))  # type: ignore[arg-type]
+    intra_work = 2 * 50 * (1e-3 + (2 << 20) / 1e9)
+    assert got["intra_overlap"] == pytest.approx(1 - 0.08 / intra_work)  # the gathers' alone: 1 - 0.02 / (work / 2)
+    assert got["intra_slowdown"] == pytest.approx(1.0 / (intra_work / 2))
 
 
 @contextlib.contextmanager

@@ -99,8 +99,6 @@ impl GpuPreset {
             inter_reduce_scatter_bandwidth: None,
             intra_reduce_scatter_slowdown: None,
             inter_reduce_scatter_slowdown: None,
-            intra_latency_slowdown: None,
-            inter_latency_slowdown: None,
             shared_cores: false,
         })
     }

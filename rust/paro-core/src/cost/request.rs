@@ -93,14 +93,6 @@ pub struct Cluster {
     /// See `intra_reduce_scatter_slowdown`, for inter-group communication.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub inter_reduce_scatter_slowdown: Option<f64>,
-    /// How much slower an intra-group collective's ring steps (their latency) run beside compute, at least 1
-    /// (default `intra_slowdown`, which then stretches only the bytes): where collectives share CPU cores with
-    /// compute, a small call slows down more than a large one. Measured by the overlap probe on small all-gathers.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub intra_latency_slowdown: Option<f64>,
-    /// See `intra_latency_slowdown`, for inter-group communication.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub inter_latency_slowdown: Option<f64>,
     /// Whether the ranks of a group compute and move their intra-group bytes on the same CPU cores (CPU training;
     /// `paro_torch` sets it for CPU ranks). Then a rank that waits for an intra-group collective does not free the
     /// cores for it: the ranks sharing them compute meanwhile, so intra-group collectives run at their speed beside
@@ -220,8 +212,6 @@ pub(super) fn validate_cluster(c: &Cluster) -> Result<()> {
         ("inter_slowdown", c.inter_slowdown),
         ("intra_reduce_scatter_slowdown", c.intra_reduce_scatter_slowdown),
         ("inter_reduce_scatter_slowdown", c.inter_reduce_scatter_slowdown),
-        ("intra_latency_slowdown", c.intra_latency_slowdown),
-        ("inter_latency_slowdown", c.inter_latency_slowdown),
     ] {
         if let Some(v) = v {
             if !(v.is_finite() && v >= 1.0) {

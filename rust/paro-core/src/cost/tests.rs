@@ -31,8 +31,6 @@ fn cluster(world: usize) -> Cluster {
         inter_reduce_scatter_bandwidth: None,
         intra_reduce_scatter_slowdown: None,
         inter_reduce_scatter_slowdown: None,
-        intra_latency_slowdown: None,
-        inter_latency_slowdown: None,
         shared_cores: false,
     }
 }
@@ -163,8 +161,6 @@ fn exact_bytes_and_time_of_one_iig_step() {
             inter_reduce_scatter_bandwidth: None,
             intra_reduce_scatter_slowdown: None,
             inter_reduce_scatter_slowdown: None,
-            intra_latency_slowdown: None,
-            inter_latency_slowdown: None,
             shared_cores: false,
         },
     );
@@ -416,8 +412,6 @@ fn the_schedule_of_a_ddp_step_by_hand() {
         inter_reduce_scatter_bandwidth: None,
         intra_reduce_scatter_slowdown: None,
         inter_reduce_scatter_slowdown: None,
-        intra_latency_slowdown: None,
-        inter_latency_slowdown: None,
         shared_cores: false,
     };
     let mut req = request(blocks(&[(10, 10), (10, 10)]), None, cluster);
@@ -501,36 +495,6 @@ fn reduce_scatters_move_at_their_own_measured_speed() {
     assert!(slowed > step(&req).0 && step(&req).0 > 150.0, "{slowed} {:?}", step(&req));
     req.cluster.inter_reduce_scatter_bandwidth = Some(0.0);
     assert!(estimate(&req).unwrap_err().to_string().contains("inter_reduce_scatter_bandwidth 0 must be a positive"));
-}
-
-#[test]
-fn ring_steps_slow_down_beside_compute_at_their_own_measured_factor() {
-    // The NGG cluster above with calls of latency only: one ring step of 10 s each, no bytes to speak of. Alone as
-    // there: 150 s.
-    let mut req = request(blocks(&[(10, 10), (10, 10)]), None, Cluster { world: 2, group_size: 2, ..cluster(2) });
-    (req.cluster.intra_bandwidth, req.cluster.intra_latency) = (1e18, 10.0);
-    (req.cluster.compute_flops, req.cluster.optimizer_params_per_s) = (Some(1.0), Some(1.0));
-    req.strategies = Some(vec!["NGG".into()]);
-    (req.training.micro_batch, req.training.seq_len, req.training.activation_checkpointing) = (1, 1, false);
-    req.training.grad_accum = 1;
-    let step = |req: &Request| find(&estimate(req).unwrap(), "NGG").step.step_s;
-    let close = |got: f64, want: f64| assert!((got - want).abs() < 1e-9, "{got} != {want}");
-    close(step(&req), 150.0);
-    // ring steps 5 times slower beside compute: unit 1's t_syncp does 4 s of its 10 beside unit 0's forward (10–30)
-    // and 6 s alone, so forward ends at 56 and backward at 136; unit 1's reduce-scatter does 8 s beside unit 0's
-    // backward and 2 s alone (to 138), unit 0's 138–148, the optimizer 148–158
-    req.cluster.intra_latency_slowdown = Some(5.0);
-    close(step(&req), 158.0);
-    // the level's slowdown stands in for an unmeasured one; measured apart, it stretches the bytes alone
-    (req.cluster.intra_slowdown, req.cluster.intra_latency_slowdown) = (Some(5.0), None);
-    close(step(&req), 158.0);
-    req.cluster.intra_latency_slowdown = Some(1.0);
-    close(step(&req), 150.0);
-    req.cluster.intra_latency_slowdown = Some(0.5);
-    assert!(estimate(&req)
-        .unwrap_err()
-        .to_string()
-        .contains("intra_latency_slowdown 0.5 must be a factor of at least 1"));
 }
 
 #[test]

@@ -19,8 +19,7 @@ pub(super) struct UnitFlops {
 
 impl Context<'_> {
     /// Seconds of the intra-group and the inter-group part of some traffic, alone or (`beside_compute`) while
-    /// compute runs on the rank: each level's slowdown stretches its bytes, the reduce-scatter's its bytes and the
-    /// latency slowdown its ring steps.
+    /// compute runs on the rank: each level's slowdown stretches its part, the reduce-scatter's its bytes.
     pub(super) fn level_seconds(&self, t: &Traffic, beside_compute: bool) -> (f64, f64) {
         let c = &self.req.cluster;
         // (the level's slowdown, its reduce-scatters') beside compute; 1 alone
@@ -30,18 +29,12 @@ impl Context<'_> {
         };
         let (intra, intra_scatter) = slowdowns(c.intra_slowdown, c.intra_reduce_scatter_slowdown);
         let (inter, inter_scatter) = slowdowns(c.inter_slowdown, c.inter_reduce_scatter_slowdown);
-        // the ring steps' slowdown beside compute: the level's unless measured apart
-        let latency = |level: f64, own: Option<f64>| if beside_compute { own.unwrap_or(level) } else { 1.0 };
-        let (intra_steps, inter_steps) =
-            (latency(intra, c.intra_latency_slowdown), latency(inter, c.inter_latency_slowdown));
         let intra_scatter_bandwidth = c.intra_reduce_scatter_bandwidth.unwrap_or(c.intra_bandwidth);
         let inter_scatter_bandwidth = c.inter_reduce_scatter_bandwidth.unwrap_or(c.inter_bandwidth);
         (
-            intra_steps * t.intra_hops as f64 * c.intra_latency
-                + intra * t.timed_intra as f64 / c.intra_bandwidth
+            intra * (t.intra_hops as f64 * c.intra_latency + t.timed_intra as f64 / c.intra_bandwidth)
                 + intra_scatter * t.scattered_intra as f64 / intra_scatter_bandwidth,
-            inter_steps * t.inter_hops as f64 * c.inter_latency
-                + inter * t.timed_inter as f64 / c.inter_bandwidth
+            inter * (t.inter_hops as f64 * c.inter_latency + t.timed_inter as f64 / c.inter_bandwidth)
                 + inter_scatter * t.scattered_inter as f64 / inter_scatter_bandwidth,
         )
     }
