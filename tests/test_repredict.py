@@ -8,12 +8,12 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# the interleaved run at 2 x 2 / 200 Mbit/s, recorded by the cost model and the probe as they are now (971a6cf): every
-# paro cell and auto's picks must come out as recorded, the overlap figures derived again from the probe's recorded
-# loops. A change to the model or the probe records it again (as root, ~30 min), or a smaller run (~4 min:
-# --scenarios lora --only 'paro:auto,paro:NNN,paro:IIG,paro:NGG'): python3 benchmarks/training.py --nodes 2
-#   --per-node 2 --rate 200mbit --only 'paro:*' --interleave --repeats 1 --steps 8 --suffix ilv2
-RECORDED = ROOT / "benchmarks" / "results" / "training-2x2-200mbit-ilv2.json"
+# an interleaved LoRA run at 2 x 2 / 1 Gbit/s (auto and three strategies), recorded by the cost model and the probe as
+# they are now (2a71b1a): every paro cell and auto's pick must come out as recorded, the overlap figures derived again
+# from the probe's recorded loops. A change to the model or the probe records it again (as root, ~4 min):
+#   python3 benchmarks/training.py --nodes 2 --per-node 2 --rate 1gbit --scenarios lora \
+#     --only 'paro:auto,paro:NNN,paro:IIG,paro:NGG' --interleave --repeats 1 --steps 8 --suffix rec
+RECORDED = ROOT / "benchmarks" / "results" / "training-2x2-1gbit-rec.json"
 
 
 def repredict(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict]:
