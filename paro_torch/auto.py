@@ -229,6 +229,11 @@ class Overlap:
     fraction: float
     slowdown: float
 
+    @staticmethod
+    def fraction_of(lost: float, work: float) -> float:
+        """The fraction, from compute seconds ``lost`` beside collectives of ``work`` seconds alone (in [0, 1])."""
+        return min(max(1.0 - lost / work, 0.0), 1.0)
+
 
 @dataclass(frozen=True)
 class OverlapLoops:
@@ -268,8 +273,7 @@ class OverlapLoops:
         """
         work = alone if alone is not None else self.collectives
         slowdown = self.collectives_beside / work
-        return Overlap(fraction=min(max(1.0 - self.lost_seconds() / work, 0.0), 1.0),
-                       slowdown=min(max(slowdown, 1.0), 100.0))  # fmt: skip
+        return Overlap(Overlap.fraction_of(self.lost_seconds(), work), slowdown=min(max(slowdown, 1.0), 100.0))
 
     def lost_seconds(self) -> float:
         """The compute seconds lost beside the collectives: the steps' seconds less their time alone."""
@@ -444,7 +448,7 @@ def overlaps_from_loops(links: LinkCalibration, groups: ParoGroups) -> dict[str,
             figures[f"{level}_reduce_scatter_slowdown"] = rates.slowdown
     for level, seconds in work.items():
         if seconds > 0:
-            figures[f"{level}_overlap"] = min(max(1.0 - lost[level] / seconds, 0.0), 1.0)
+            figures[f"{level}_overlap"] = Overlap.fraction_of(lost[level], seconds)
     return figures
 
 
