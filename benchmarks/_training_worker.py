@@ -179,7 +179,7 @@ class System:
             else {"example_inputs": {"input_ids": batch, "labels": batch}}
         )
         wrapped = ParoShardedModule(model, option, wrap_policy={decoder_layer_class()}, grad_accum=self.accum,
-                                    tokens_per_micro_step=tokens, **probe)  # fmt: skip
+                                    clips_grad_norm=self.clip > 0, tokens_per_micro_step=tokens, **probe)  # fmt: skip
         self.optimizer = torch.optim.AdamW(wrapped.parameters(), lr=self.lr)
         assert wrapped.plan is not None and wrapped.links is not None
         self.links = wrapped.links

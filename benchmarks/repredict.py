@@ -59,8 +59,8 @@ def estimate(
     """The cost model's report for a benchmark cell (CPU ranks: ``shared_cores``), as the engine asks for it."""
     tokens = cfg["micro_batch"] * cfg["model"]["seq"]
     return auto.estimate(blocks, groups, links=links, memory_budget=1 << 62, grad_accum=cfg["grad_accum"],
-                         sizes=Precision().bytes(), tokens_per_micro_step=tokens, only=only,
-                         shared_cores=shared_cores)  # fmt: skip
+                         clip_grad_norm=cfg["clip"] > 0, sizes=Precision().bytes(), tokens_per_micro_step=tokens,
+                         only=only, shared_cores=shared_cores)  # fmt: skip
 
 
 def repredict(

@@ -588,7 +588,8 @@ def _request(
 ) -> dict[str, Any]:
     """The cost model's request (see ``paro plan --help`` and the Rust ``cost::request``).
 
-    ``shared_cores``: the ranks compute and run their intra-group collectives on the same CPU cores (CPU ranks).
+    ``shared_cores``: the ranks compute and run their collectives on the same CPU cores (CPU ranks): the cost model
+    takes a collective's work beside compute from compute.
     """
     cluster: dict[str, Any] = {
         "world": groups.world,
@@ -646,6 +647,7 @@ def estimate(
     sizes: dict[str, int],
     tokens_per_micro_step: int | None = None,
     activation_checkpointing: bool = False,
+    clip_grad_norm: bool = False,
     only: str | None = None,
     shared_cores: bool = False,
 ) -> dict[str, Any]:
@@ -653,10 +655,15 @@ def estimate(
 
     With ``tokens_per_micro_step`` (and a measured compute throughput) the predicted step includes compute, which
     hides communication (``activation_checkpointing`` adds the recomputation); without it, the step is the
-    communication schedule alone. With ``only``, that one strategy instead of all. ``shared_cores``: CPU ranks
-    (see ``_request``).
+    communication schedule alone. ``clip_grad_norm``: each step clips the gradients' norm (one more small
+    all-reduce). With ``only``, that one strategy instead of all. ``shared_cores``: CPU ranks (see ``_request``).
     """
-    training = {"grad_accum": grad_accum, "activation_checkpointing": activation_checkpointing, **sizes}
+    training = {
+        "grad_accum": grad_accum,
+        "activation_checkpointing": activation_checkpointing,
+        "clip_grad_norm": clip_grad_norm,
+        **sizes,
+    }
     request = _request(blocks, groups, links, memory_budget, training, tokens_per_micro_step, shared_cores)
     if only is not None:
         request["strategies"] = [only]

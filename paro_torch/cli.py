@@ -114,6 +114,9 @@ def _parser() -> argparse.ArgumentParser:
         help="keep all activations instead of recomputing each layer",
     )
     plan.add_argument(
+        "--clip-grad-norm", action="store_true", default=None, help="each step clips the gradients' global norm"
+    )
+    plan.add_argument(
         "--collectives",
         choices=("flat", "hierarchical", "phased"),
         default="hierarchical",
@@ -173,6 +176,7 @@ def _request(args: argparse.Namespace) -> dict[str, Any]:
                 ("micro_batch", args.micro_batch),
                 ("seq_len", args.seq_len),
                 ("activation_checkpointing", args.activation_checkpointing),
+                ("clip_grad_norm", args.clip_grad_norm),
             )
             if value is not None
         },

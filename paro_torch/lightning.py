@@ -110,11 +110,14 @@ class ParoStrategy(DDPStrategy):
         """Wraps the LightningModule (collective); Lightning builds the optimizers afterwards."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         accum = trainer.accumulate_grad_batches if trainer is not None else 1
+        # Lightning clips by norm when gradient_clip_val is set, unless gradient_clip_algorithm is "value"
+        clips = trainer is not None and bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm != "value"
         return ParoShardedModule(
             model,
             self.paro_strategy,
             mixed_precision=self._policy(),
             grad_accum=accum,
+            clips_grad_norm=clips,
             device=self.root_device,
             **self._paro_options,
         )

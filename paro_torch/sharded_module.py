@@ -179,6 +179,7 @@ class ParoShardedModule(nn.Module):
         memory_budget: Bytes per rank for model states (auto, and a check for an explicit strategy);
             default: the GPU's free memory, or the host's memory shared by one group's ranks.
         grad_accum: Micro-steps per optimizer step, for the cost model.
+        clips_grad_norm: Whether each step calls ``clip_grad_norm_``, for the cost model (its all-reduce).
         tokens_per_micro_step: Tokens (batch x sequence) one rank processes per micro-step, for the cost model:
             with it, auto's predicted step includes the compute that hides communication.
         activation_checkpointing: Whether the units recompute their activations in backward, for the cost model;
@@ -194,7 +195,8 @@ class ParoShardedModule(nn.Module):
         sync_module_states: Broadcast rank 0's parameters and buffers (as DDP does; unit by unit), so that ranks
             that built the model with different seeds train one model.
         broadcast_buffers: Before each training forward, make the buffers (e.g. BatchNorm statistics) rank 0's,
-            as DDP's ``broadcast_buffers`` does.
+            as DDP's ``broadcast_buffers`` does; after the first step only those that some rank changed in the step
+            before (see [Note: buffer broadcast]).
         device: Where parameters, gradients and buffers live (default: the CPU).
         param_init_fn: For a model built on the meta device (``with torch.device("meta"):``): initialises one
             module whose tensors were just materialised on ``device``; default its ``reset_parameters()``. Units
@@ -217,6 +219,7 @@ class ParoShardedModule(nn.Module):
         mixed_precision: MixedPrecisionPolicy | None = None,
         memory_budget: int | None = None,
         grad_accum: int = 1,
+        clips_grad_norm: bool = False,
         tokens_per_micro_step: int | None = None,
         activation_checkpointing: bool | None = None,
         calibration: LinkCalibration | str | None = None,
@@ -282,6 +285,7 @@ class ParoShardedModule(nn.Module):
                 links=links,
                 memory_budget=budget,
                 grad_accum=grad_accum,
+                clip_grad_norm=clips_grad_norm,
                 sizes=self.precision.bytes(),
                 tokens_per_micro_step=tokens_per_micro_step,
                 activation_checkpointing=checkpointing,
@@ -303,6 +307,15 @@ class ParoShardedModule(nn.Module):
         self._gather_world = comms.gather_world
         self._units = self._build_units(assignments, sync_module_states, param_init_fn)
         self._buffers_to_sync = [b for b in module.buffers() if b.numel() > 0] if broadcast_buffers else []
+        # [Note: buffer broadcast] DDP broadcasts every buffer before every training forward: a blocking global
+        # collective per micro-step, for buffers that are mostly constants (rotary inv_freq). Here the first step
+        # broadcasts all of them; each rank notes which buffers changed (their version counters) since the last
+        # broadcast, the boundary's flags all-reduce agrees on it, and the next step broadcasts before each forward
+        # those that changed on some rank (BatchNorm statistics: every step, as DDP). A buffer changed on one rank
+        # between steps is rank 0's again from the step after the next.
+        self._buffers_due = [True] * len(self._buffers_to_sync)
+        self._buffer_versions = [b._version for b in self._buffers_to_sync]
+        self._buffers_changed = torch.zeros(len(self._buffers_to_sync), dtype=torch.int64, device=self.device)
         self._flat_buffers = [b for u in self._units for b in u.buffers]
         self._sync_gradients = True
         self._in_backward = False
@@ -617,14 +630,19 @@ class ParoShardedModule(nn.Module):
             self._ready.setdefault(i, None)  # unused on this rank in this micro-step
         self._flush_reductions()
         self._next_reduce = 0
-        flags = torch.cat([self._used, torch.tensor([int(self._late_step)], device=self.device)])
+        if self._sync_gradients:
+            self._note_buffer_changes()
+        late_flag = torch.tensor([int(self._late_step)], device=self.device)
+        flags = torch.cat([self._used, self._buffers_changed, late_flag])
         if self._sync_gradients:
             self._pending_reduce.append(self._reducer.submit(dist.all_reduce, flags, group=self._rgroups.whole))
         self._finish_reductions()
         self._reset_units()
         if not self._sync_gradients:
             return
-        late, used = bool(flags[-1]), flags[:-1]
+        late, used = bool(flags[-1]), flags[: len(self._used)]
+        self._buffers_due = [bool(c) for c in flags[len(self._used) : -1]]  # see [Note: buffer broadcast]
+        self._buffers_changed.zero_()
         for i in self._created_grad:
             if used[i] == 0:  # unused on every rank in this accumulation window: no gradient, as in one process
                 self._reduce_order[i].clear_grads()
@@ -639,6 +657,13 @@ class ParoShardedModule(nn.Module):
                 "forward synced the parameters before the step and the steps since used stale parameters; call "
                 "optimizer.step() (and zero_grad()) before the next forward of the model"
             )
+
+    def _note_buffer_changes(self) -> None:
+        """Notes the buffers whose version changed since the last look (see [Note: buffer broadcast])."""
+        for i, b in enumerate(self._buffers_to_sync):
+            if b._version != self._buffer_versions[i]:
+                self._buffers_changed[i] = 1
+                self._buffer_versions[i] = b._version
 
     def _reset_units(self) -> None:
         """Every unit idle and resharded (its modules' attributes back on the shards: no view of freed storage)."""
@@ -716,7 +741,11 @@ class ParoShardedModule(nn.Module):
                 u.needs_sync = any(b.trainable for b in u.buffers)
         root = self._units[-1]
         if self._buffers_to_sync and self.module.training and torch.is_grad_enabled():
-            self._gathers.submit(_broadcast_from_rank0, self._buffers_to_sync, self._gather_world).result()
+            self._note_buffer_changes()
+            due = [b for b, d in zip(self._buffers_to_sync, self._buffers_due, strict=True) if d]
+            if due:
+                self._gathers.submit(_broadcast_from_rank0, due, self._gather_world).result()
+                self._buffer_versions = [b._version for b in self._buffers_to_sync]
         self._begin_pass(self._fwd_order)
         self._root_grad = torch.is_grad_enabled()
         self._needs_bwd.zero_()

@@ -150,6 +150,7 @@ class ParoTrainer(Trainer):
         if opts["wrap_policy"] is None:
             opts["wrap_policy"] = _no_split_classes(model)
         opts["activation_checkpointing"] = bool(self.args.gradient_checkpointing)  # the Trainer turns it on later
+        opts["clips_grad_norm"] = bool(self.args.max_grad_norm)  # the Trainer clips when it is set and not 0
         if opts["tokens_per_micro_step"] is None:
             batch = self.args.per_device_train_batch_size
             opts["tokens_per_micro_step"] = tokens_per_micro_step(self.train_dataset, batch)

@@ -34,6 +34,7 @@ CASES = {
     "states": [
         "batchnorm",  # BatchNorm1d in a block and at the root: parameters and running stats (rank 0's)
         "seeds",  # each rank builds the model with its own seed: rank 0's parameters and buffers win
+        "buffer_changes",  # a constant buffer, doubled after step 1: broadcast in the first step and after changes
         "meta",  # built on the meta device, initialised unit by unit by param_init_fn
     ],
     "errors": [

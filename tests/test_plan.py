@@ -82,6 +82,20 @@ def test_7b_partial_flat_ranks_nii_then_nig_then_ngg(capsys: pytest.CaptureFixtu
     assert report["collectives"] == "flat"
 
 
+def test_clipping_adds_the_norms_all_reduce_where_optimizer_states_are_sharded(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # 8 groups of 8 at the CLI's default latencies (5 µs within a group, 20 µs across): the norm's all-reduce takes
+    # 2·7 ring steps within the group for os = I, and 2·7 + 2·7 on both levels for os = G; none for os = N
+    args = ["--model", "llama-7b", "--nodes", "8", "--trainable", "1/16", *SCENARIO]
+    plain = by_code(plan_json(capsys, *args))
+    clipped = by_code(plan_json(capsys, *args, "--clip-grad-norm"))
+    added = {code: clipped[code]["step"]["step_s"] - plain[code]["step"]["step_s"] for code in ("NNN", "NNI", "NNG")}
+    assert added["NNN"] == 0.0
+    assert added["NNI"] == pytest.approx(14 * 5e-6, rel=1e-6)
+    assert added["NNG"] == pytest.approx(14 * 5e-6 + 14 * 20e-6, rel=1e-6)
+
+
 def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--model", "llama-65b", "--nodes", "8", *SCENARIO]) == 0
     out = capsys.readouterr().out

@@ -5,6 +5,7 @@ groups of 2 (PARO_GROUP_SIZE=2). CASE in: fused, foreach, sgd, adam_l2 (optimize
 GradScaler-style skipped optimizer step); dropped_equal, dropped_unequal
 (a block unused on one rank for one step); ckpt_nonreentrant_early, ckpt_nonreentrant_late, ckpt_reentrant
 (activation checkpointing); retain_graph; batchnorm (buffers); seeds (ranks built with different seeds);
+buffer_changes (a buffer the forward uses, constant but for one change between steps: broadcast only when changed);
 param_groups (optimizer groups by the original parameter names); meta (built on the meta device, initialised by
 param_init_fn unit by unit); backward_error (a backward that raises midway on every rank, the step skipped);
 direct_call (the inner model called past the wrapper between steps, as Hugging Face's generate does, and a
@@ -35,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+import paro_torch.sharded_module as engine
 from paro_torch import ParoShardedModule
 from paro_torch._groups import ParoGroups, build_groups
 from paro_torch.checkpoint import load_checkpoint, save_checkpoint
@@ -129,7 +131,7 @@ def make(case: str, seed: int = 0, device: str = "cpu") -> Tiny:
     # dropped_unequal: the skipped block (1) has more parameters than block 0
     hidden = (2 * DIM, 3 * DIM) if case == "dropped_unequal" else (2 * DIM, 2 * DIM)
     with torch.device(device):
-        model = Tiny(hidden, bn=case == "batchnorm", shift=case == "seeds")
+        model = Tiny(hidden, bn=case == "batchnorm", shift=case in ("seeds", "buffer_changes"))
     if case == "meta" and device != "meta":
         init = init_by_name(model)
         for m in model.modules():
@@ -184,6 +186,22 @@ def skips_micro(case: str, step: int, j: int) -> bool:
     return case == "forward_error" and step == SKIP_STEP and j == 0
 
 
+def after_step(case: str, step: int, model: Tiny) -> None:
+    """buffer_changes: every rank doubles the constant buffer after step 1 (as a user's schedule might)."""
+    if case == "buffer_changes" and step == 1:
+        with torch.no_grad():
+            model.shift.mul_(2)
+
+
+# Buffer broadcasts per step in training (see [Note: buffer broadcast] in paro_torch/sharded_module.py): all buffers
+# in the first step, then those some rank changed in the step before (BatchNorm's: every forward).
+BROADCASTS = {
+    "seeds": [ACCUM, 0, 0, 0],
+    "buffer_changes": [ACCUM, 0, 0, ACCUM],  # changed after step 1, noticed in step 2, broadcast in step 3
+    "batchnorm": [ACCUM] * STEPS,
+}
+
+
 def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, y)
 
@@ -220,6 +238,8 @@ def train_reference(case: str, data: list, world: int, steps: int = STEPS, plain
         if plain or steps_optimizer(case, step):
             opt.step()
         opt.zero_grad()
+        if not plain:
+            after_step(case, step, ref)
     return ref
 
 
@@ -238,6 +258,7 @@ def check_sensitive(case: str, data: list, world: int, ref: Tiny) -> None:
         "dropped_unequal",
         "param_groups",
         "batchnorm",
+        "buffer_changes",
         "forward_error",
         "backward_error",
     ):
@@ -275,8 +296,18 @@ def train_paro(case: str, code: str, data: list, groups: ParoGroups) -> ParoShar
         model._gathers, model._reducer = InlineLane(), InlineLane()
         with torch.inference_mode():
             model(data[0][0][0][local])
-    with late:
+    broadcasts: list[int] = []
+    real_broadcast = engine._broadcast_from_rank0
+
+    def counted(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+        broadcasts[-1] += 1
+        real_broadcast(tensors, group)
+
+    engine._broadcast_from_rank0 = counted
+    with late, contextlib.ExitStack() as restore:
+        restore.callback(setattr, engine, "_broadcast_from_rank0", real_broadcast)
         for step, micro in enumerate(data):
+            broadcasts.append(0)
             for j, (x, y) in enumerate(micro):
                 with model.no_sync() if j < ACCUM - 1 else contextlib.nullcontext():
                     # backward_error: at the boundary micro-step, after the head's and the last block's
@@ -310,12 +341,15 @@ def train_paro(case: str, code: str, data: list, groups: ParoGroups) -> ParoShar
             if steps_optimizer(case, step):
                 opt.step()
             opt.zero_grad()
+            after_step(case, step, inner)
             freed = [f"{type(m).__name__}.{k}" for m in inner.modules() for k, v in vars(m).items()
                      if torch.is_tensor(v) and v.numel() and not v.untyped_storage().size()]  # fmt: skip
             assert not freed, f"{code} ({case}): after step {step}, module attributes point at freed storage: {freed}"
             if case == "direct_call" and step < len(data) - 1:  # past the wrapper between steps (main checks
                 with torch.no_grad():  # the output after the last step)
                     model.predict(data[0][0][0][local])
+    want = BROADCASTS.get(case)
+    assert want is None or broadcasts == want, f"{code} ({case}): buffer broadcasts per step {broadcasts}, not {want}"
     if case in CHECKPOINT:  # the test checkpoints for real: every block's forward ran again in backward
         calls = [b.calls for b in inner.blocks]
         assert calls == [2 * STEPS * ACCUM] * len(calls), f"{code} ({case}): blocks ran {calls} times"

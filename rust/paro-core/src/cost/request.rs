@@ -93,11 +93,12 @@ pub struct Cluster {
     /// See `intra_reduce_scatter_slowdown`, for inter-group communication.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub inter_reduce_scatter_slowdown: Option<f64>,
-    /// Whether the ranks of a group compute and move their intra-group bytes on the same CPU cores (CPU training;
-    /// `paro_torch` sets it for CPU ranks). Then a rank that waits for an intra-group collective does not free the
-    /// cores for it: the ranks sharing them compute meanwhile, so intra-group collectives run at their speed beside
-    /// compute (`intra_slowdown`) for the whole step. Inter-group transfers are bound by the link, not the cores,
-    /// and keep their speed alone while the rank waits.
+    /// Whether the ranks compute and run their collectives, on both levels, on the same CPU cores (CPU training;
+    /// `paro_torch` sets it for CPU ranks). Then a collective's work done beside compute is compute's loss one for
+    /// one, whatever `intra_overlap` and `inter_overlap` say (as if both were 0), and a collective runs at its speed
+    /// alone while compute waits for it: the ranks run the same schedule, so the ranks that share its cores wait for
+    /// it too. On the emulated cluster this fits the measured steps best (benchmarks/README.md, "Shared cores:
+    /// collectives take their work from compute").
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub shared_cores: bool,
 }
@@ -125,6 +126,10 @@ pub struct Training {
     pub optimizer_bytes: u64,
     /// Number of blocks whose gathered parameters are held at once (current + prefetched).
     pub prefetch: u64,
+    /// Whether each step clips the gradients' global norm (`clip_grad_norm_`): one more small blocking
+    /// all-reduce before the optimizer step, over the ranks that shard the optimizer states.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub clip_grad_norm: bool,
 }
 
 impl Default for Training {
@@ -139,6 +144,7 @@ impl Default for Training {
             reduce_bytes: None,
             optimizer_bytes: 12,
             prefetch: 2,
+            clip_grad_norm: false,
         }
     }
 }

@@ -5,7 +5,8 @@
 //! next unit's gather while the current one computes, with at most two units unsharded (the gather of unit u+1
 //! waits for the compute of unit u−1; [`IssuePolicy`], which the engine follows too). After a unit's backward
 //! its gradients are reduced (g ≠ N); at the last micro-step t_syncg follows. The optimizer step waits for every
-//! reduction, and so does the next micro-step (the engine's backward returns once its reductions are done). t_syncp
+//! reduction and the boundary's small blocking all-reduces (the ranks' flags; with clipping, the gradients' norm),
+//! and the next micro-step waits for its reductions (the engine's backward returns once they are done). t_syncp
 //! of a unit runs right before its first gather of the next step, after the optimizer step, so it hides only
 //! behind the forward of earlier units. Collectives queue on their level's links in issue order (an intra-group
 //! and an inter-group call run at once; a global call holds both); compute waits only for what it needs.
@@ -13,9 +14,8 @@
 //! Where collectives and compute share a rank's cores (`Cluster::intra_overlap`, `intra_slowdown` and their
 //! inter-group twins), the simulation runs them at rates: while compute runs, a collective progresses at
 //! 1 / slowdown of its speed alone, and compute loses (1 − overlap) seconds per second of collective work done
-//! beside it. With both figures 1 (GPUs; the default) every task runs at full speed. Where the ranks of a group
-//! share CPU cores (`Cluster::shared_cores`), an intra-group collective runs at its slowed speed even while this
-//! rank's compute waits for it: the ranks beside it compute on the cores it would need.
+//! beside it. With both figures 1 (GPUs; the default) every task runs at full speed. Where the ranks share CPU
+//! cores (`Cluster::shared_cores`) the overlap is 0 on both levels: compute loses what the collectives do.
 
 use serde::{Deserialize, Serialize};
 
@@ -77,11 +77,10 @@ struct Task {
     work: f64,
     deps: Vec<usize>,
     level: Option<Level>,
-    /// A collective's: compute seconds lost per second of its work done beside compute (at most 1), its
-    /// slowdown there, and its slowdown while this rank's compute waits (1 unless cores are shared).
+    /// A collective's: compute seconds lost per second of its work done beside compute (at most 1), and its
+    /// slowdown there (alone it runs at full speed).
     cost: f64,
     slowdown: f64,
-    idle_slowdown: f64,
 }
 
 /// The compute stream and the two levels' links, each running its work in issue order; tasks are recorded as the
@@ -95,7 +94,7 @@ impl Sim {
     /// Records `seconds` of work on `slots`, to start once `deps` have finished; returns its index.
     fn run(&mut self, slots: &'static [usize], seconds: f64, deps: &[Option<usize>], level: Option<Level>) -> usize {
         let deps = deps.iter().flatten().copied().collect();
-        self.tasks.push(Task { slots, work: seconds, deps, level, cost: 0.0, slowdown: 1.0, idle_slowdown: 1.0 });
+        self.tasks.push(Task { slots, work: seconds, deps, level, cost: 0.0, slowdown: 1.0 });
         self.tasks.len() - 1
     }
 
@@ -110,12 +109,19 @@ impl Sim {
     fn finish(&self) -> (StepTime, f64) {
         let tasks = &self.tasks;
         let mut queues: [std::collections::VecDeque<usize>; 3] = Default::default();
+        // what each task waits for: its dependencies and the task before it on each of its slots
+        let mut blockers: Vec<Vec<usize>> = tasks.iter().map(|t| t.deps.clone()).collect();
         for (i, t) in tasks.iter().enumerate() {
             for &r in t.slots {
+                blockers[i].extend(queues[r].back().copied());
                 queues[r].push_back(i);
             }
         }
+        let last_blocker = |i: usize, finish: &[f64]| -> Option<usize> {
+            blockers[i].iter().copied().max_by(|&a, &b| finish[a].total_cmp(&finish[b]))
+        };
         let mut finish = vec![f64::INFINITY; tasks.len()];
+        let mut start = vec![f64::INFINITY; tasks.len()];
         let mut left: Vec<f64> = tasks.iter().map(|t| t.work).collect();
         let mut active: Vec<usize> = Vec::new();
         let mut time = StepTime::default();
@@ -138,16 +144,23 @@ impl Sim {
                         continue;
                     }
                     if t.slots == [0] && now > compute_free {
-                        // compute idled until its last dependency ended: the communication it waited on is exposed
-                        let critical = t.deps.iter().copied().max_by(|&a, &b| finish[a].total_cmp(&finish[b]));
-                        let waited = now - compute_free;
-                        match critical.and_then(|d| tasks[d].level) {
-                            Some(Level::Intra) => time.exposed_intra_s += waited,
-                            Some(Level::Inter) => time.exposed_inter_s += waited,
-                            Some(Level::Global) => time.exposed_global_s += waited,
-                            None => {}
+                        // compute idled until its last dependency ended: the communication it waited on is
+                        // exposed, back along the chain of what each task waited for last (a task's time to its
+                        // level)
+                        let (mut end, mut critical) = (now, last_blocker(i, &finish));
+                        while let Some(d) = critical.filter(|_| end > compute_free) {
+                            let from = start[d].max(compute_free);
+                            let waited = end - from;
+                            match tasks[d].level {
+                                Some(Level::Intra) => time.exposed_intra_s += waited,
+                                Some(Level::Inter) => time.exposed_inter_s += waited,
+                                Some(Level::Global) => time.exposed_global_s += waited,
+                                None => {}
+                            }
+                            (end, critical) = (from, last_blocker(d, &finish));
                         }
                     }
+                    start[i] = now;
                     active.push(i);
                     changed = true;
                 }
@@ -167,7 +180,7 @@ impl Sim {
             let rate = |i: usize| {
                 let t = &tasks[i];
                 if t.slots != [0] {
-                    return 1.0 / if computing { t.slowdown } else { t.idle_slowdown };
+                    return if computing { 1.0 / t.slowdown } else { 1.0 };
                 }
                 let lost: f64 =
                     active.iter().filter(|&&c| tasks[c].slots != [0]).map(|&c| tasks[c].cost / tasks[c].slowdown).sum();
@@ -241,15 +254,15 @@ impl Context<'_> {
                 // its levels' slowdowns stretch their parts, and compute loses their overlaps' average by time
                 let cluster = &self.req.cluster;
                 if seconds > 0.0 {
-                    let (lost_intra, lost_inter) =
-                        (1.0 - cluster.intra_overlap.unwrap_or(1.0), 1.0 - cluster.inter_overlap.unwrap_or(1.0));
+                    let (lost_intra, lost_inter) = if cluster.shared_cores {
+                        (1.0, 1.0)
+                    } else {
+                        (1.0 - cluster.intra_overlap.unwrap_or(1.0), 1.0 - cluster.inter_overlap.unwrap_or(1.0))
+                    };
                     let (slow_intra, slow_inter) = self.level_seconds(&c.traffic, true);
                     let t = &mut sim.tasks[task];
                     t.cost = (lost_intra * intra + lost_inter * inter) / (intra + inter);
                     t.slowdown = self.joined(c, slow_intra, slow_inter) / seconds;
-                    if cluster.shared_cores {
-                        t.idle_slowdown = self.joined(c, slow_intra, inter) / seconds;
-                    }
                 }
                 last = Some(task);
             }
@@ -309,9 +322,21 @@ impl Context<'_> {
                 settled = Some(sim.compute(0.0, &reductions));
             }
         }
+        // the boundary's small all-reduces, blocking, after every reduction: the ranks' flags (which gradients
+        // exist, on the engine's world group) and, with clipping, the norm over the ranks that shard the os
+        let mut last = sim.run(&[1, 2], self.small_all_reduce_seconds(Level::Global), &boundary, Some(Level::Global));
+        let norm_level = match s.os {
+            Granularity::N => None,
+            Granularity::I => Some(Level::Intra),
+            Granularity::G => Some(Level::Global),
+        };
+        if let Some(level) = norm_level.filter(|_| self.req.training.clip_grad_norm) {
+            let slots: &'static [usize] = if level == Level::Intra { &[1] } else { &[1, 2] };
+            last = sim.run(slots, self.small_all_reduce_seconds(level), &[Some(last)], Some(level));
+        }
         let shard: u64 = self.sizes(s).iter().map(|&(tr, _)| tr).sum::<u64>() / self.degree(s.os);
         let optimizer_s = self.optimizer_seconds(shard);
-        sim.compute(optimizer_s, &boundary);
+        sim.compute(optimizer_s, &[Some(last)]);
         let (mut time, end) = sim.finish();
         time.optimizer_s = optimizer_s;
         time.compute_s = flops.iter().map(|f| self.compute_seconds(f.forward + f.backward)).sum::<f64>() * accum as f64;

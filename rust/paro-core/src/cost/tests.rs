@@ -498,11 +498,15 @@ fn reduce_scatters_move_at_their_own_measured_speed() {
 }
 
 #[test]
-fn shared_cores_slow_intra_group_collectives_while_compute_waits() {
-    // The NGG cluster above, its all-gathers 2 times slower beside compute, its reduce-scatters not. Cores not
-    // shared: unit 0's t_syncp 0–10 alone, forward 10–30, unit 1's t_syncp 10–30 beside it (10 s of work at half
-    // speed), forward 30–50, backward 50–90 and 90–130, unit 0's reduce-scatter 130–140, the optimizer 140–150.
-    // Shared: unit 0's t_syncp runs at half speed while compute waits for it, 0–20; everything after is 10 s later.
+fn on_shared_cores_collectives_take_their_work_from_compute() {
+    // The NGG cluster above, its all-gathers 2 times slower beside compute, its reduce-scatters not, overlaps 1.
+    // Cores not shared: unit 0's t_syncp 0–10 alone, forward 10–30, unit 1's t_syncp 10–30 beside it (10 s of
+    // work at half speed, compute unslowed), forward 30–50, backward 50–90 and 90–130 (unit 1's reduce-scatter
+    // hidden behind it), unit 0's reduce-scatter 130–140, the optimizer 140–150.
+    // Shared: compute loses what the collectives do beside it. Unit 1's t_syncp 10–30 at half speed leaves
+    // forward half of its speed: 10 of its 20 s by 30, done at 40; forward 40–60, backward 60–100; unit 1's
+    // reduce-scatter (slowdown 1) stops compute 100–110; backward 110–150, unit 0's reduce-scatter 150–160, the
+    // optimizer 160–170. Exposed (compute waiting) 0–10 and 150–160 either way; 20 s of interference.
     let ngg = |group_size: usize| {
         let mut req = request(blocks(&[(10, 10), (10, 10)]), None, Cluster { world: 2, group_size, ..cluster(2) });
         let c = &mut req.cluster;
@@ -510,6 +514,7 @@ fn shared_cores_slow_intra_group_collectives_while_compute_waits() {
         (c.compute_flops, c.optimizer_params_per_s) = (Some(1.0), Some(1.0));
         (c.intra_slowdown, c.intra_reduce_scatter_slowdown) = (Some(2.0), Some(1.0));
         (c.inter_slowdown, c.inter_reduce_scatter_slowdown) = (Some(2.0), Some(1.0));
+        (c.intra_overlap, c.inter_overlap) = (Some(1.0), Some(1.0));
         req.strategies = Some(vec!["NGG".into()]);
         (req.training.micro_batch, req.training.seq_len, req.training.activation_checkpointing) = (1, 1, false);
         req.training.grad_accum = 1;
@@ -517,19 +522,49 @@ fn shared_cores_slow_intra_group_collectives_while_compute_waits() {
     };
     let step = |req: &Request| {
         let s = find(&estimate(req).unwrap(), "NGG").step;
-        (s.step_s, s.exposed_intra_s + s.exposed_inter_s + s.exposed_global_s)
+        (s.step_s, s.exposed_intra_s + s.exposed_inter_s + s.exposed_global_s, s.interference_s)
     };
-    let mut req = ngg(2);
-    let apart = step(&req);
-    assert_eq!(apart.0, 150.0);
-    req.cluster.shared_cores = true;
-    assert_eq!(step(&req), (160.0, apart.1 + 10.0));
-    // across groups (one rank each) the same calls cross the link, which the cores do not bound: unchanged
-    let mut req = ngg(1);
-    let apart = step(&req);
-    assert_eq!(apart.0, 150.0);
-    req.cluster.shared_cores = true;
-    assert_eq!(step(&req), apart);
+    // within a group (intra-group calls) and across groups of one rank (the same calls on the inter-group links)
+    for group_size in [2, 1] {
+        let mut req = ngg(group_size);
+        assert_eq!(step(&req), (150.0, 20.0, 0.0), "group size {group_size}");
+        req.cluster.shared_cores = true;
+        assert_eq!(step(&req), (170.0, 20.0, 20.0), "group size {group_size}");
+    }
+}
+
+#[test]
+fn the_optimizer_waits_for_the_boundarys_flags_and_the_clip_norm() {
+    // 2 groups of 2, latency only (α' = 1 s, α = 3 s; the bytes take no time), two units of 12 parameters, 1 FLOP/s,
+    // 1 parameter/s, the engine's phased calls. NNN: forward 0–48, backward 48–96 and 96–144; unit 1's global
+    // all-reduce (intra reduce-scatter 1 s, inter all-reduce 2·3 s, intra all-gather 1 s) 96–104 behind the
+    // backward, unit 0's 144–152; the ranks' flags all-reduce (2·1 + 2·3 s) 152–160; the optimizer on 24
+    // parameters 160–184. With clipping, the norm's all-reduce follows the flags over the ranks that shard the
+    // optimizer states: none for os = N, within the group (2 s) for I, over all ranks (8 s) for G.
+    let mut req = request(blocks(&[(12, 12), (12, 12)]), None, Cluster { world: 4, group_size: 2, ..cluster(4) });
+    let c = &mut req.cluster;
+    (c.intra_bandwidth, c.inter_bandwidth, c.intra_latency, c.inter_latency) = (1e18, 1e18, 1.0, 3.0);
+    (c.compute_flops, c.optimizer_params_per_s) = (Some(1.0), Some(1.0));
+    (req.training.micro_batch, req.training.seq_len, req.training.activation_checkpointing) = (1, 1, false);
+    req.training.grad_accum = 1;
+    req.collectives = CollectiveAlgorithm::Phased;
+    let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+    let nnn = find(&estimate(&req).unwrap(), "NNN").step;
+    assert!(close(nnn.step_s, 184.0) && close(nnn.exposed_global_s, 16.0), "{nnn:?}");
+    for (code, level, added) in
+        [("NNN", None, 0.0), ("NNI", Some(Level::Intra), 2.0), ("NNG", Some(Level::Global), 8.0)]
+    {
+        req.training.clip_grad_norm = false;
+        let without = find(&estimate(&req).unwrap(), code).step;
+        req.training.clip_grad_norm = true;
+        let with = find(&estimate(&req).unwrap(), code).step;
+        assert!(close(with.step_s - without.step_s, added), "{code}: {without:?} -> {with:?}");
+        let exposed = |t: &StepTime| match level {
+            Some(Level::Intra) => t.exposed_intra_s,
+            _ => t.exposed_global_s,
+        };
+        assert!(close(exposed(&with) - exposed(&without), added), "{code}: {without:?} -> {with:?}");
+    }
 }
 
 #[test]
@@ -542,8 +577,11 @@ fn the_parameter_sync_across_groups_waits_before_forward() {
     let report = estimate(&req).unwrap();
     let (nni, nng) = (find(&report, "NNI"), find(&report, "NNG"));
     assert_eq!(nni.inter_bytes, nng.inter_bytes);
-    assert!(nng.step.exposed_global_s > 0.0 && nng.step.exposed_inter_s == 0.0, "{:?}", nng.step);
-    assert!(nni.step.exposed_global_s == 0.0 && nni.step.exposed_inter_s > 0.0, "{:?}", nni.step);
+    // both wait for the boundary's flags all-reduce (global): 2·7 intra and 2·3 inter ring steps
+    let c = &req.cluster;
+    let flags = 14.0 * c.intra_latency + 6.0 * c.inter_latency;
+    assert!(nng.step.exposed_global_s > 2.0 * flags && nng.step.exposed_inter_s == 0.0, "{:?}", nng.step);
+    assert!((nni.step.exposed_global_s - flags).abs() < 1e-12 && nni.step.exposed_inter_s > 0.0, "{:?}", nni.step);
 }
 
 #[test]

@@ -57,6 +57,18 @@ impl Context<'_> {
         a.max(b) + a.min(b) / chunks
     }
 
+    /// Seconds of a small all-reduce of the engine's (a few flags or a norm: latency only) within the groups
+    /// (`Level::Intra`), across them, or over all ranks: its ring steps on each level, 2(k − 1) for k ranks.
+    pub(super) fn small_all_reduce_seconds(&self, level: Level) -> f64 {
+        let c = &self.req.cluster;
+        let steps = |k: u64| 2.0 * k.saturating_sub(1) as f64;
+        match level {
+            Level::Intra => steps(self.m) * c.intra_latency,
+            Level::Inter => steps(self.g) * c.inter_latency,
+            Level::Global => steps(self.m) * c.intra_latency + steps(self.g) * c.inter_latency,
+        }
+    }
+
     /// Seconds of `flops` on this rank; 0 when the request gives no throughput.
     pub(super) fn compute_seconds(&self, flops: f64) -> f64 {
         self.req.cluster.compute_flops.map_or(0.0, |rate| flops / rate)
