@@ -315,7 +315,7 @@ class ParoShardedModule(nn.Module):
         # between steps is rank 0's again from the step after the next.
         self._buffers_due = [True] * len(self._buffers_to_sync)
         self._buffer_versions = [b._version for b in self._buffers_to_sync]
-        self._buffers_changed = torch.zeros(len(self._buffers_to_sync), dtype=torch.int64, device=self.device)
+        self._buffers_changed = [False] * len(self._buffers_to_sync)
         self._flat_buffers = [b for u in self._units for b in u.buffers]
         self._sync_gradients = True
         self._in_backward = False
@@ -632,8 +632,8 @@ class ParoShardedModule(nn.Module):
         self._next_reduce = 0
         if self._sync_gradients:
             self._note_buffer_changes()
-        late_flag = torch.tensor([int(self._late_step)], device=self.device)
-        flags = torch.cat([self._used, self._buffers_changed, late_flag])
+        tail = torch.tensor([*self._buffers_changed, self._late_step], dtype=torch.int64, device=self.device)
+        flags = torch.cat([self._used, tail])
         if self._sync_gradients:
             self._pending_reduce.append(self._reducer.submit(dist.all_reduce, flags, group=self._rgroups.whole))
         self._finish_reductions()
@@ -642,7 +642,7 @@ class ParoShardedModule(nn.Module):
             return
         late, used = bool(flags[-1]), flags[: len(self._used)]
         self._buffers_due = [bool(c) for c in flags[len(self._used) : -1]]  # see [Note: buffer broadcast]
-        self._buffers_changed.zero_()
+        self._buffers_changed = [False] * len(self._buffers_to_sync)
         for i in self._created_grad:
             if used[i] == 0:  # unused on every rank in this accumulation window: no gradient, as in one process
                 self._reduce_order[i].clear_grads()
@@ -662,7 +662,7 @@ class ParoShardedModule(nn.Module):
         """Notes the buffers whose version changed since the last look (see [Note: buffer broadcast])."""
         for i, b in enumerate(self._buffers_to_sync):
             if b._version != self._buffer_versions[i]:
-                self._buffers_changed[i] = 1
+                self._buffers_changed[i] = True
                 self._buffer_versions[i] = b._version
 
     def _reset_units(self) -> None:

@@ -170,14 +170,16 @@ pub enum CollectiveAlgorithm {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Selection {
-    /// The model's stated uncertainty: step times within this fraction of the fastest are a tie, which less
-    /// memory breaks (default 0.05 = 5%).
+    /// The model's stated uncertainty between strategies: step times within this fraction of the fastest are a
+    /// tie, which less memory breaks (default 0.01 = 1%). Wider ties cost speed: the lightest of near-equal
+    /// strategies reduces more often, and on the emulated cluster it measured slower (over 19 scenarios `auto` came
+    /// within 5% of the fastest in 16 with 1%, 7 with 5%; benchmarks/README.md, "Shared cores").
     pub time_tolerance: f64,
 }
 
 impl Default for Selection {
     fn default() -> Self {
-        Selection { time_tolerance: 0.05 }
+        Selection { time_tolerance: 0.01 }
     }
 }
 

@@ -322,7 +322,7 @@ fn paper_65b_partial_training_iig_is_2_7_to_3_7_times_zero3() {
     // MiCS (III) is as fast, with more memory; auto picks IIG or an equally fast lighter one
     assert!((step(&paro, "III") / step(&paro, "IIG") - 1.0).abs() < 0.02);
     let pick = chosen(&paro);
-    assert!(step(&paro, pick) <= step(&paro, "IIG") * 1.05, "{}", paro.reason);
+    assert!(step(&paro, pick) <= step(&paro, "IIG") * 1.01, "{}", paro.reason);
 }
 
 #[test]
@@ -687,7 +687,8 @@ const EXAMPLE: &str = r#"{
 fn json_round_trip() {
     let out = estimate_json(EXAMPLE).unwrap();
     let report: Report = serde_json::from_str(&out).unwrap();
-    assert_eq!(report.choice.as_ref().unwrap().code, "IIG");
+    // communication only: INI is fastest, ING within 1% of it and lighter
+    assert_eq!(report.choice.as_ref().unwrap().code, "ING");
     assert_eq!(report.strategies.len(), 14);
     let value: serde_json::Value = serde_json::from_str(&out).unwrap();
     let first = &value["strategies"][9];
