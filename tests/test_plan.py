@@ -55,9 +55,13 @@ def test_65b_full_training_picks_iig(capsys: pytest.CaptureFixture[str]) -> None
     assert not by_code(report)["III"]["fits"]
 
 
-def test_65b_partial_training_picks_iig(capsys: pytest.CaptureFixture[str]) -> None:
+def test_65b_partial_training_picks_the_fastest_p_i_strategy(capsys: pytest.CaptureFixture[str]) -> None:
     report = plan_json(capsys, "--model", "llama-65b", "--nodes", "8", "--trainable", "1/16", *SCENARIO)
-    assert report["choice"]["code"] == "IIG"
+    # p = N does not fit; INI (no reductions before the boundary) is ahead of IIG (the paper's pick) by more than the
+    # 1 % tie, with 14 GB more per rank
+    assert report["choice"]["code"] == "INI"
+    step = {code: s["step"]["step_s"] for code, s in by_code(report).items()}
+    assert 1.01 < step["IIG"] / step["INI"] < 1.04
     assert report["model"]["trainable"] == round(report["model"]["params"] / 16)
 
 
