@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="override a LinkCalibration figure in every cell, e.g. intra_slowdown=6")  # fmt: skip
     ap.add_argument("--check", action="store_true", help="fail unless the predictions equal the recorded ones")
     ap.add_argument("--no-shared-cores", action="store_true",
-                    help="as the model before shared_cores (runs before it: reproduces their predictions)")  # fmt: skip
+                    help="predict as for ranks that do not share cores (GPUs)")  # fmt: skip
     args = ap.parse_args(argv)
     overrides = {}
     for item in args.set:
