@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from paro_torch._groups import ParoGroups, shared, twin_groups
+from paro_torch._groups import ParoGroups, new_group, own_mesh, shared, twin_groups
 from paro_torch._lanes import Lane, make_lane
 
 
@@ -35,6 +35,12 @@ class EngineComms:
     gathers: Lane
     reducer: Lane
 
+    def release(self) -> None:
+        """Drops the communicators made for this set: only at exit (see [Note: communicators at exit] in _groups.py)."""
+        self.groups.release()
+        self.reduce_groups.release()
+        object.__setattr__(self, "gather_world", None)  # frozen for everyone else
+
 
 def engine_comms(groups: ParoGroups, device: torch.device) -> EngineComms:
     """The set for ``groups`` and ``device``, made on first use; every rank must call it in the same order."""
@@ -48,7 +54,7 @@ def _make(groups: ParoGroups, device: torch.device) -> EngineComms:
         groups=groups,
         mesh=_mesh(groups, device.type),
         reduce_groups=twin_groups(groups),
-        gather_world=dist.new_group(list(range(groups.world)), backend=whole_backend),
+        gather_world=new_group(list(range(groups.world)), whole_backend),
         gathers=make_lane(device, "paro-gather"),
         reducer=make_lane(device, "paro-reduce"),
     )
@@ -59,5 +65,6 @@ def _mesh(groups: ParoGroups, device_type: str) -> DeviceMesh:
     m, g = groups.group_size, groups.num_groups
     ranks = torch.tensor([[k * m + r for k in range(g)] for r in range(m)], dtype=torch.int64)
     mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("intra", "inter"))
-    mesh._flatten("paro_world")  # DTensor reduces over both dimensions at once with it (e.g. a global norm)
+    flat = mesh._flatten("paro_world")  # DTensor reduces over both dimensions at once with it (e.g. a global norm)
+    own_mesh(mesh, flat)
     return mesh

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -32,6 +33,11 @@ class ParoGroups:
     """The g ranks sharing this local rank (None when g == 1)."""
     whole: dist.ProcessGroup
     """All ranks, for checks."""
+
+    def release(self) -> None:
+        """Drops this set's communicators: only at exit (see [Note: communicators at exit])."""
+        for name in ("intra", "inter", "whole"):
+            object.__setattr__(self, name, None)  # frozen for everyone else
 
     @property
     def num_groups(self) -> int:
@@ -92,6 +98,10 @@ def build_groups(
 
 _shared: dict[tuple[Any, ...], Any] = {}
 _shared_world: list[dist.ProcessGroup | None] = [None]
+_made: list[dist.ProcessGroup] = []
+"""The communicators paro_torch made for the current default group (see [Note: communicators at exit])."""
+_meshes: list[dict[str, dist.ProcessGroup]] = []
+"""The registries of paro_torch's meshes, which hold their communicators."""
 
 
 def shared(key: tuple[Any, ...], make: Callable[[], T]) -> T:
@@ -104,10 +114,69 @@ def shared(key: tuple[Any, ...], make: Callable[[], T]) -> T:
     world = dist.group.WORLD
     if _shared_world[0] is not world:
         _shared.clear()
+        _made.clear()  # the old default group's: destroyed with it, and now by this
+        _meshes.clear()
         _shared_world[0] = world
     if key not in _shared:
         _shared[key] = make()
     return _shared[key]
+
+
+def new_group(ranks: list[int], backend: str | None) -> dist.ProcessGroup | None:
+    """``dist.new_group`` for a communicator of paro_torch's own; every rank must call it.
+
+    None on the ranks outside ``ranks``; destroyed at exit (see [Note: communicators at exit]).
+    """
+    pg = dist.new_group(ranks, backend=backend)
+    if pg is None or pg == dist.GroupMember.NON_GROUP_MEMBER:
+        return None
+    _made.append(pg)
+    return pg
+
+
+def own_mesh(*meshes: DeviceMesh) -> None:
+    """Adds the communicators of meshes that paro_torch made to those it destroys at exit.
+
+    Every dimension's, flattened ones included; the meshes drop them then (see [Note: communicators at exit]).
+    """
+    for mesh in meshes:
+        registry: dict[str, dist.ProcessGroup] | None = getattr(mesh, "_pg_registry", None)  # recent torch
+        pgs = list(registry.values()) if registry is not None else []
+        pgs += [mesh.get_group(dim) for dim in range(mesh.ndim)]
+        _made.extend(pg for pg in pgs if pg != dist.group.WORLD and all(pg is not q for q in _made))
+        if registry is not None:
+            _meshes.append(registry)
+
+
+# [Note: communicators at exit] Gloo runs each collective on a thread of its own, which drops its references to
+# the collective (and its tensors) only after it has woken the caller. When Python dropped the tensors first, that
+# last drop frees their Python objects and takes the GIL; a thread that takes the GIL once the interpreter finalizes
+# exits on the spot, inside a destructor, and the process aborts ("terminate called without an active exception")
+# after a job that did everything right. A process group joins its threads when it is destroyed, so at exit, while
+# the interpreter is still alive, paro_torch destroys the Gloo communicators it made and drops every reference it
+# holds to them (the engine's modules hold them only through the sets released here): their threads finish and join
+# whether or not the script destroyed the default group, and with wrapped models still alive. The groups a user
+# made (the default one included) are the user's to destroy. tests/workers/exit_in_flight.py holds this.
+def _release_at_exit() -> None:
+    holders = list(_shared.values())
+    _shared.clear()
+    _shared_world[0] = None
+    for holder in holders:
+        release = getattr(holder, "release", None)
+        if callable(release):
+            release()
+    for registry in _meshes:
+        registry.clear()
+    _meshes.clear()
+    made = list(_made)
+    _made.clear()
+    for pg in made:
+        if dist.is_initialized() and pg != dist.group.WORLD and dist.get_backend(pg) == "gloo":
+            try:
+                dist.destroy_process_group(pg)  # unregisters it: torch held it too
+            except ValueError:  # already destroyed
+                pass
+    del holders, made  # the last references: each group joins its threads here
 
 
 def twin_groups(groups: ParoGroups) -> ParoGroups:
@@ -119,7 +188,8 @@ def twin_groups(groups: ParoGroups) -> ParoGroups:
     level = groups.intra or groups.inter
     backend = dist.get_backend(level) if level is not None else None
     twin = _new_groups(groups.world, groups.group_size, groups.rank, backend)
-    whole = dist.new_group(list(range(groups.world)), backend=backend)
+    whole = new_group(list(range(groups.world)), backend=backend)
+    assert whole is not None
     return ParoGroups(twin.world, twin.group_size, twin.rank, twin.intra, twin.inter, whole)
 
 
@@ -127,11 +197,14 @@ def _new_groups(world: int, m: int, rank: int, backend: str | None) -> ParoGroup
     g = world // m
     intra = inter = None
     for k in range(g):  # every rank creates every group, in the same order
-        pg = dist.new_group(list(range(k * m, (k + 1) * m)), backend=backend) if m > 1 else None
+        pg = new_group(list(range(k * m, (k + 1) * m)), backend) if m > 1 else None
         if k == rank // m:
             intra = pg
     for r in range(m):
-        pg = dist.new_group(list(range(r, world, m)), backend=backend) if g > 1 else None
+        pg = new_group(list(range(r, world, m)), backend) if g > 1 else None
         if r == rank % m:
             inter = pg
     return ParoGroups(world, m, rank, intra, inter, dist.group.WORLD)
+
+
+atexit.register(_release_at_exit)  # at import: runs after the exit handlers registered later (LIFO)

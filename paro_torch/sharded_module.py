@@ -304,7 +304,7 @@ class ParoShardedModule(nn.Module):
         self.mesh = comms.mesh
         """The (intra, inter) mesh of the sharded parameters (DTensors); its groups serve DTensor ops only."""
         self._rgroups = comms.reduce_groups
-        self._gather_world = comms.gather_world
+        self._comms = comms  # its communicators are released at exit (see [Note: communicators at exit])
         self._units = self._build_units(assignments, sync_module_states, param_init_fn)
         self._buffers_to_sync = [b for b in module.buffers() if b.numel() > 0] if broadcast_buffers else []
         # [Note: buffer broadcast] DDP broadcasts every buffer before every training forward: a blocking global
@@ -744,7 +744,7 @@ class ParoShardedModule(nn.Module):
             self._note_buffer_changes()
             due = [b for b, d in zip(self._buffers_to_sync, self._buffers_due, strict=True) if d]
             if due:
-                self._gathers.submit(_broadcast_from_rank0, due, self._gather_world).result()
+                self._gathers.submit(_broadcast_from_rank0, due, self._comms.gather_world).result()
                 self._buffer_versions = [b._version for b in self._buffers_to_sync]
         self._begin_pass(self._fwd_order)
         self._root_grad = torch.is_grad_enabled()
@@ -771,9 +771,8 @@ class ParoShardedModule(nn.Module):
             self._needs_bwd[root.index] = 1
         if self._root_grad and self.strategy.p != N:  # agree on the units backward gathers
             flags = self._needs_bwd.clone()
-            self._bwd_flags.append(
-                (flags, self._gathers.submit(dist.all_reduce, flags, op=dist.ReduceOp.MAX, group=self._gather_world))
-            )
+            handle = self._gathers.submit(dist.all_reduce, flags, op=dist.ReduceOp.MAX, group=self._comms.gather_world)
+            self._bwd_flags.append((flags, handle))
             if len(self._bwd_flags) > 4:  # forwards with grad and no backward (an evaluation without no_grad)
                 folded = torch.zeros_like(flags)
                 for f, handle in self._bwd_flags:

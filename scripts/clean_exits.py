@@ -43,6 +43,7 @@ CASES: dict[str, tuple[str, tuple[str, ...]]] = {
     "fsdp2": ("frameworks.py", ("fsdp2",)),
     "hsdp": ("frameworks.py", ("hsdp",)),
     "no_destroy": ("no_destroy.py", ()),
+    "exit_in_flight": ("exit_in_flight.py", ("keep",)),
     "deepspeed_zero3": ("deepspeed_zero3.py", ()),
     "tensor_lifetimes": ("tensor_lifetimes.py", ()),
     "engine_errors": ("engine_errors.py", ("disagree_model",)),

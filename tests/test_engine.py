@@ -22,6 +22,13 @@ def test_clipping_bf16_fp16_tied_weights_and_sync_on_every_micro_step() -> None:
     assert_ok(launch("engine.py", 4, env={"PARO_GROUP_SIZE": "2"}, args=("clip,bf16,fp16,tied,syncall",)))
 
 
+@pytest.mark.parametrize("mode", ["destroy", "keep", "module"])
+def test_collectives_in_flight_at_exit_do_not_abort_the_process(mode: str) -> None:
+    """Gloo threads that free a tensor while the interpreter finalizes abort the process: see
+    [Note: communicators at exit] in _groups.py. With and without destroy_process_group, and a model left alive."""
+    assert_ok(launch("exit_in_flight.py", 4, args=(mode,), timeout=120))
+
+
 def test_groups_from_a_device_mesh() -> None:
     assert_ok(launch("engine.py", 4, env={"PARO_GROUP_SIZE": "2"}, args=("mesh", "IIG", "NGG", "III")))
 
