@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -158,6 +159,8 @@ def own_mesh(*meshes: DeviceMesh) -> None:
 # whether or not the script destroyed the default group, and with wrapped models still alive. The groups a user
 # made (the default one included) are the user's to destroy. tests/workers/exit_in_flight.py holds this.
 def _release_at_exit() -> None:
+    if os.getpid() != _PID:
+        return  # a forked child: the groups' threads are the parent's
     holders = list(_shared.values())
     _shared.clear()
     _shared_world[0] = None
@@ -207,4 +210,5 @@ def _new_groups(world: int, m: int, rank: int, backend: str | None) -> ParoGroup
     return ParoGroups(world, m, rank, intra, inter, dist.group.WORLD)
 
 
+_PID = os.getpid()
 atexit.register(_release_at_exit)  # at import: runs after the exit handlers registered later (LIFO)
