@@ -144,7 +144,9 @@ def own_mesh(*meshes: DeviceMesh) -> None:
         registry: dict[str, dist.ProcessGroup] | None = getattr(mesh, "_pg_registry", None)  # recent torch
         pgs = list(registry.values()) if registry is not None else []
         pgs += [mesh.get_group(dim) for dim in range(mesh.ndim)]
-        _made.extend(pg for pg in pgs if pg != dist.group.WORLD and all(pg is not q for q in _made))
+        for pg in pgs:  # a group can be in the registry and a dimension's, or in both meshes
+            if pg != dist.group.WORLD and all(pg is not q for q in _made):
+                _made.append(pg)
         if registry is not None:
             _meshes.append(registry)
 
