@@ -358,6 +358,23 @@ def measure_overlap(
     return OverlapLoops(*medians, calls=calls, nbytes=nbytes)
 
 
+def _link_round(groups: ParoGroups, small: int, large: int, repeats: int, device: torch.device) -> torch.Tensor:
+    """One round of the link probe, the same on every rank: both levels' figures, the ranks' pessimistic ones.
+
+    ``[intra latency, inter latency, -intra bandwidth, -inter bandwidth, -intra reduce-scatter bandwidth, -inter
+    reduce-scatter bandwidth]`` (float64): the slowest rank's (max latency, min bandwidth; bandwidths negated so
+    that one MAX all-reduce takes both).
+    """
+    dist.barrier(group=groups.whole)  # every rank probes the same level at once, as in training
+    intra_bw, intra_lat, intra_rs = _level(groups.intra, small, large, repeats, device)
+    dist.barrier(group=groups.whole)
+    inter_bw, inter_lat, inter_rs = _level(groups.inter, small, large, repeats, device)
+    figures = [intra_lat, inter_lat, -intra_bw, -inter_bw, -intra_rs, -inter_rs]
+    t = torch.tensor(figures, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups.whole)
+    return t
+
+
 def measure_links(
     groups: ParoGroups,
     small: int = 4 << 10,
@@ -365,6 +382,7 @@ def measure_links(
     repeats: int = 5,
     device: torch.device | None = None,
     throughputs: bool = True,
+    rounds: int = 3,
 ) -> LinkCalibration:
     """Measures both levels on ``device`` (default: the CPU) and, with ``throughputs``, the ranks' throughputs.
 
@@ -372,20 +390,20 @@ def measure_links(
     left unmeasured, for ``probe_model`` to measure on the model. Every rank returns the same figures (the links' of
     the slowest rank, the throughputs' of the ranks' mean).
 
+    The links are probed in ``rounds`` rounds, each figure the median over them: one round can read far off (at
+    2 x 4 on 2 cores, the training benchmark's probes read the intra-group bandwidth 98-333 MB/s between launches,
+    and eight rounds in one launch 134-324 MB/s, the first round the lowest: benchmarks/results/probe-rounds/).
+
     On ranks that share cores the small gather's time after a barrier includes the ranks' skew, which training's
     collectives pay too: its median over 21 repeats and over ranks (0.2-0.5 ms where this read 1-24 ms) made the
     predictions of the strategies with many collectives per step 17-41 % low at 2 x 2 / 200 Mbit/s
     (benchmarks/results/step-model-200mbit.md).
     """
+    if rounds < 1:
+        raise ValueError(f"measure_links: rounds={rounds}; probe at least one round")
     device = device or torch.device("cpu")
-    dist.barrier(group=groups.whole)  # every rank probes the same level at once, as in training
-    intra_bw, intra_lat, intra_rs = _level(groups.intra, small, large, repeats, device)
-    dist.barrier(group=groups.whole)
-    inter_bw, inter_lat, inter_rs = _level(groups.inter, small, large, repeats, device)
-    # the pessimistic figures over ranks: max latency, min bandwidth
-    figures = [intra_lat, inter_lat, -intra_bw, -inter_bw, -intra_rs, -inter_rs]
-    t = torch.tensor(figures, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups.whole)
+    every = torch.stack([_link_round(groups, small, large, repeats, device) for _ in range(rounds)])
+    t = torch.quantile(every, 0.5, dim=0)  # of an even count: the mean of the middle two
     links = LinkCalibration(
         intra_bandwidth=float(-t[2]),
         inter_bandwidth=float(-t[3]),

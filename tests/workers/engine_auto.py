@@ -136,6 +136,28 @@ def main() -> None:
     assert got.optimizer_params_per_s and got.intra_overlap is not None and got.inter_overlap is not None, got
     assert got.intra_slowdown is not None and got.intra_slowdown >= 1 and got.inter_slowdown >= 1, got
     assert measure_links(groups, large=1 << 16, repeats=1, throughputs=False).compute_flops is None
+    # each link figure is the median over rounds of the slowest rank's (the levels scripted: round r, rank k)
+    levels_called: list[object] = []
+
+    def scripted(pg: object, *_: object) -> tuple[float, float, float]:
+        r, level = len(levels_called) // 2, (1.0 if pg is groups.intra else 2.0)
+        levels_called.append(pg)
+        bandwidth = level * [300.0, 100.0, 200.0][r] + rank  # the lowest: rank 0's
+        return bandwidth, level * [3.0, 1.0, 2.0][r] / (1 + rank), 10 * bandwidth  # latency: rank 0's highest
+
+    real_level, paro_torch.auto._level = paro_torch.auto._level, scripted
+    rounds = measure_links(groups, throughputs=False, rounds=3)
+    paro_torch.auto._level = real_level
+    assert levels_called == [groups.intra, groups.inter] * 3, levels_called
+    assert (rounds.intra_bandwidth, rounds.inter_bandwidth) == (200.0, 400.0), rounds
+    assert (rounds.intra_latency, rounds.inter_latency) == (2.0, 4.0), rounds
+    assert (rounds.intra_reduce_scatter_bandwidth, rounds.inter_reduce_scatter_bandwidth) == (2000.0, 4000.0)
+    try:
+        measure_links(groups, rounds=0)
+    except ValueError as e:
+        assert "rounds=0" in str(e), e
+    else:
+        raise AssertionError("rounds=0 was accepted")
     try:  # the batch's tokens are needed to count its FLOPs: an error on every rank
         ParoShardedModule(make("plain"), "auto", process_groups=pgs, wrap_policy={Block}, calibration=saved,
                           example_inputs=torch.zeros(2, 6, dtype=torch.long))  # fmt: skip
