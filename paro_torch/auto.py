@@ -392,7 +392,7 @@ def measure_links(
 
     The links are probed in ``rounds`` rounds, each figure the median over them: one round can read far off (at
     2 x 4 on 2 cores, the training benchmark's probes read the intra-group bandwidth 98-333 MB/s between launches,
-    and eight rounds in one launch 134-324 MB/s, the first round the lowest: benchmarks/results/probe-rounds/).
+    and eight rounds in one launch 127-351 MB/s, the first round the lowest: benchmarks/results/probe-rounds/).
 
     On ranks that share cores the small gather's time after a barrier includes the ranks' skew, which training's
     collectives pay too: its median over 21 repeats and over ranks (0.2-0.5 ms where this read 1-24 ms) made the
