@@ -606,6 +606,10 @@ class ParoShardedModule(nn.Module):
             i = self._next_reduce
             grad = self._ready.pop(i)
             self._next_reduce += 1
+            if self.strategy.g == N and not self._sync_gradients:
+                # a local sum, no collective: here, not through the lane (on CPU a thread handoff per unit)
+                self._reduce_and_sync(i, grad, sync=False)
+                continue
             self._pending_reduce.append(self._reducer.submit(self._reduce_and_sync, i, grad, self._sync_gradients))
             self.overlapped_syncs += self._sync_gradients
 
