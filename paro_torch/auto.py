@@ -484,7 +484,10 @@ def busy_latencies(links: LinkCalibration, groups: ParoGroups) -> dict[str, floa
     A ring step's seconds as the loop ran beside compute: on ranks that share cores each step waits for the peer's
     communication thread to get a core, several times the idle latency (at 2 x 2 on 2 cores, 4 KiB all-gathers took
     0.8 ms alone and 7.2 ms beside an MLP block within the groups, 0.7 and 2.6 ms across them), and so do the
-    calls training makes, whose peers compute while a rank waits. Levels of one rank, or loops not recorded (an
+    calls training makes, whose peers compute while a rank waits. The compute beside the loop is the stand-in MLP
+    block, not the model: each call of the loop is one Python call on the probe's thread, and a model whose Python
+    code holds the interpreter lock often makes it wait for that too (beside a LoRA model's step 10 and 26 ms, beside
+    the full model's 4 and 6 ms: benchmarks/results/busy-latency/). Levels of one rank, or loops not recorded (an
     older calibration), give none.
     """
     figures = {}
@@ -502,28 +505,20 @@ def _overlaps(
 ) -> LinkCalibration:
     """``links`` with ``measure_overlap``'s loops of both levels and the overlap figures they give.
 
-    Per level: the engine's all-gathers and reduce-scatters of 4 MiB (the overlaps and slowdowns), and all-gathers
-    of ``_SMALL`` bytes (the busy latency, ``busy_latencies``). Each loop figure is the ranks' median
-    (``overlaps_from_loops`` prices them); the median, not the mean: on shared cores one rank's figure can read
-    several times the others' (a noisy figure, not a bound).
+    Per level: the engine's all-gathers and reduce-scatters of 4 MiB beside ``step`` (the overlaps and slowdowns),
+    and all-gathers of ``_SMALL`` bytes beside the MLP block (the busy latency, ``busy_latencies``). Each loop figure
+    is the ranks' median (``overlaps_from_loops`` prices them); the median, not the mean: on shared cores one rank's
+    figure can read several times the others' (a noisy figure, not a bound).
     """
     loops = []
     for level, op in [*_PROBED, *_BUSY]:
         pg = groups.intra if level == "intra" else groups.inter
-        small = op == "small_all_gather"
-        found = (
-            measure_overlap(
-                device,
-                pg,
-                step,
-                nbytes=_SMALL if small else 4 << 20,
-                align=groups.whole,
-                op="all_gather" if small else op,
-                loop_steps=loop_steps,
-            )
-            if pg is not None
-            else None
-        )
+        if pg is None:
+            found = None
+        elif op == "small_all_gather":  # beside the stand-in MLP block (see busy_latencies)
+            found = measure_overlap(device, pg, nbytes=_SMALL, align=groups.whole)
+        else:
+            found = measure_overlap(device, pg, step, align=groups.whole, op=op, loop_steps=loop_steps)
         none = (0.0,) * len(dataclasses.fields(OverlapLoops))  # a level of one rank: nothing to probe
         loops.append(dataclasses.astuple(found) if found is not None else none)
     t = torch.tensor(loops, dtype=torch.float64, device=device)
@@ -625,7 +620,8 @@ def probe_model(
         seconds.append(_mean_seconds(opt_step, repeats, groups.whole) / numel)  # per parameter
     t = _ranks_mean(torch.tensor(seconds, dtype=torch.float64, device=device), groups)
     assert links.overlap_loops is not None
-    loops = [row[0] for row in links.overlap_loops.values() if row[0] > 0]  # levels of one rank timed nothing
+    # the model's step alone in the loops beside it (not the small gathers' MLP block); levels of one rank: none
+    loops = [row[0] for (level, op) in _PROBED if (row := links.overlap_loops[f"{level}_{op}"])[0] > 0]
     return dataclasses.replace(
         links,
         compute_flops=flops / statistics.median([float(t[0]), *loops]),

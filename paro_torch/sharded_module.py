@@ -176,16 +176,17 @@ class ParoShardedModule(nn.Module):
             ``reduce_dtype`` (default ``param_dtype``) for gradient collectives, ``output_dtype`` for the outputs,
             ``cast_forward_inputs``. Gradients accumulate in float32 (in ``reduce_dtype`` where it is set); masters
             and optimizer states stay float32.
-        memory_budget: Bytes per rank for model states (auto, and a check for an explicit strategy);
-            default: the GPU's free memory, or the host's memory shared by one group's ranks.
+        memory_budget: Bytes per rank for model states (auto, and a check for an explicit strategy, also made
+            with the default when link figures are given); default: the GPU's free memory, or the host's memory
+            shared by one group's ranks.
         grad_accum: Micro-steps per optimizer step, for the cost model.
         clips_grad_norm: Whether each step calls ``clip_grad_norm_``, for the cost model (its all-reduce).
         tokens_per_micro_step: Tokens (batch x sequence) one rank processes per micro-step, for the cost model:
             with it, auto's predicted step includes the compute that hides communication.
         activation_checkpointing: Whether the units recompute their activations in backward, for the cost model;
             default: the model says so (Hugging Face's ``is_gradient_checkpointing``, or ``checkpoint_wrapper``).
-        calibration: Link and throughput figures for auto (a LinkCalibration or a JSON path; also
-            PARO_CALIBRATION).
+        calibration: Link and throughput figures (a LinkCalibration or a JSON path; also PARO_CALIBRATION) for
+            auto, or for an explicit strategy's ``plan`` (its predicted step and memory).
         example_inputs: One micro-batch (a dict of keyword arguments, a tuple or a tensor) on ``device``, with
             ``tokens_per_micro_step``: the cost model's plan (auto's, or ``plan`` for an explicit strategy) times
             the model's own forward and backward on it (alone and beside each level's gathers) and AdamW on its
@@ -261,11 +262,12 @@ class ParoShardedModule(nn.Module):
         """The cost model's report behind ``strategy="auto"`` (every strategy's memory, bytes, time)."""
         self.links: LinkCalibration | None = None
         """The link and throughput figures the plan used."""
-        if auto or memory_budget is not None or example_inputs is not None:
+        # an explicit strategy is planned (its memory checked against the budget, its step predicted) when it has a
+        # budget or link figures; links are measured for auto (or a model probe) alone, and the plan's times mean
+        # something only when link figures are given
+        given = calibration is not None or bool(os.environ.get("PARO_CALIBRATION")) or example_inputs is not None
+        if auto or memory_budget is not None or given:
             budget = memory_budget if memory_budget is not None else default_memory_budget(self.groups.group_size)
-            # an explicit strategy is only checked against the budget: links are measured for auto (or a model
-            # probe) alone, and the plan's times mean something only when link figures are given
-            given = calibration is not None or os.environ.get("PARO_CALIBRATION") or example_inputs is not None
             links = (
                 _links(calibration, self.groups, self.device, throughputs=example_inputs is None)
                 if auto or given

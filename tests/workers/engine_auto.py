@@ -90,6 +90,15 @@ def main() -> None:
     times = {s["code"]: s["time_s"] for s in direct.plan["strategies"]}
     assert explicit.plan is not None and explicit.plan["strategies"][0]["time_s"] == times["IIG"], explicit.plan
 
+    # link figures alone plan an explicit strategy too (against the default budget), given or through PARO_CALIBRATION
+    for env, kwargs in (({}, {"calibration": saved}), ({"PARO_CALIBRATION": path}, {})):
+        os.environ.update(env)
+        planned = ParoShardedModule(make("plain"), "IIG", process_groups=pgs, wrap_policy={Block}, **kwargs)
+        os.environ.pop("PARO_CALIBRATION", None)
+        assert planned.plan is not None and planned.plan["strategies"][0]["time_s"] == times["IIG"], planned.plan
+    bare = ParoShardedModule(make("plain"), "IIG", process_groups=pgs, wrap_policy={Block})
+    assert bare.plan is None and bare.links is None
+
     # with the tokens per micro-step, the predicted step includes compute (and the optimizer, always measured)
     timed = ParoShardedModule(make("plain"), "auto", process_groups=pgs, wrap_policy={Block}, memory_budget=budget,
                               calibration=saved, tokens_per_micro_step=64)  # fmt: skip

@@ -104,10 +104,11 @@ pub struct Cluster {
     pub inter_reduce_scatter_slowdown: Option<f64>,
     /// Whether the ranks compute and run their collectives, on both levels, on the same CPU cores (CPU training;
     /// `paro_torch` sets it for CPU ranks). Then a collective's work done beside compute is compute's loss one for
-    /// one, whatever `intra_overlap` and `inter_overlap` say (as if both were 0), and a collective runs at its speed
-    /// alone while compute waits for it: the ranks run the same schedule, so the ranks that share its cores wait for
-    /// it too. On the emulated cluster this fits the measured steps best (benchmarks/README.md, "Shared cores:
-    /// collectives take their work from compute").
+    /// one, whatever `intra_overlap` and `inter_overlap` say (as if both were 0), every ring step takes the busy
+    /// latency where one is given (`intra_busy_latency`), and a collective runs at its speed alone while compute
+    /// waits for it: the ranks run the same schedule, so the ranks that share its cores wait for it too. On the
+    /// emulated cluster this fits the measured steps best (benchmarks/README.md, "Shared cores: collectives take
+    /// their work from compute").
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub shared_cores: bool,
 }
