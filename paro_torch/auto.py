@@ -71,11 +71,6 @@ class LinkCalibration:
     ``intra_slowdown``)."""
     inter_reduce_scatter_slowdown: float | None = None
     """The same for inter-group reduce-scatters."""
-    intra_busy_latency: float | None = None
-    """Seconds of one intra-group ring step of a small all-gather while every rank computes (None: not measured);
-    where ranks share cores the cost model prices every ring step at it (see ``busy_latencies``)."""
-    inter_busy_latency: float | None = None
-    """The same for inter-group ring steps."""
     overlap_loops: dict[str, list[float]] | None = None
     """The overlap probe's timings the overlap figures come from, by level and collective ("intra_all_gather", ...):
     ``OverlapLoops``' fields, the ranks' median of each (None: not measured)."""
@@ -438,8 +433,6 @@ def _ranks_mean(seconds: torch.Tensor, groups: ParoGroups) -> torch.Tensor:
 
 
 _PROBED = [(level, op) for level in ("intra", "inter") for op in ("all_gather", "reduce_scatter")]
-_SMALL = 4 << 10  # bytes of the busy-latency loops' all-gathers (measure_links' small message)
-_BUSY = [(level, "small_all_gather") for level in ("intra", "inter")]
 
 
 def overlaps_from_loops(links: LinkCalibration, groups: ParoGroups) -> dict[str, float]:
@@ -474,29 +467,6 @@ def overlaps_from_loops(links: LinkCalibration, groups: ParoGroups) -> dict[str,
     for level, seconds in work.items():
         if seconds > 0:
             figures[f"{level}_overlap"] = Overlap.fraction_of(lost[level], seconds)
-    figures.update(busy_latencies(links, groups))
-    return figures
-
-
-def busy_latencies(links: LinkCalibration, groups: ParoGroups) -> dict[str, float]:
-    """The busy latencies (``LinkCalibration`` fields) from ``links.overlap_loops``' small all-gathers beside compute.
-
-    A ring step's seconds as the loop ran beside compute: on ranks that share cores each step waits for the peer's
-    communication thread to get a core, several times the idle latency (at 2 x 2 on 2 cores, 4 KiB all-gathers took
-    0.8 ms alone and 7.2 ms beside an MLP block within the groups, 0.7 and 2.6 ms across them), and so do the
-    calls training makes, whose peers compute while a rank waits. The compute beside the loop is the stand-in MLP
-    block, not the model: each call of the loop is one Python call on the probe's thread, and a model whose Python
-    code holds the interpreter lock often makes it wait for that too (beside a LoRA model's step 10 and 26 ms, beside
-    the full model's 4 and 6 ms: benchmarks/results/busy-latency/). Levels of one rank, or loops not recorded (an
-    older calibration), give none.
-    """
-    figures = {}
-    for level, op in _BUSY:
-        k = groups.group_size if level == "intra" else groups.num_groups
-        row = (links.overlap_loops or {}).get(f"{level}_{op}")
-        if k > 1 and row is not None:
-            loops = OverlapLoops(*row)
-            figures[f"{level}_busy_latency"] = loops.collectives_beside / loops.calls / (k - 1)
     return figures
 
 
@@ -505,28 +475,24 @@ def _overlaps(
 ) -> LinkCalibration:
     """``links`` with ``measure_overlap``'s loops of both levels and the overlap figures they give.
 
-    Per level: the engine's all-gathers and reduce-scatters of 4 MiB beside ``step`` (the overlaps and slowdowns),
-    and all-gathers of ``_SMALL`` bytes beside the MLP block (the busy latency, ``busy_latencies``). Each loop figure
-    is the ranks' median (``overlaps_from_loops`` prices them); the median, not the mean: on shared cores one rank's
-    figure can read several times the others' (a noisy figure, not a bound).
+    Each loop figure is the ranks' median (``overlaps_from_loops`` prices them); the median, not the mean: on shared
+    cores one rank's figure can read several times the others' (a noisy figure, not a bound).
     """
     loops = []
-    for level, op in [*_PROBED, *_BUSY]:
+    for level, op in _PROBED:
         pg = groups.intra if level == "intra" else groups.inter
-        if pg is None:
-            found = None
-        elif op == "small_all_gather":  # beside the stand-in MLP block (see busy_latencies)
-            found = measure_overlap(device, pg, nbytes=_SMALL, align=groups.whole)
-        else:
-            found = measure_overlap(device, pg, step, align=groups.whole, op=op, loop_steps=loop_steps)
+        found = (
+            measure_overlap(device, pg, step, align=groups.whole, op=op, loop_steps=loop_steps)
+            if pg is not None
+            else None
+        )
         none = (0.0,) * len(dataclasses.fields(OverlapLoops))  # a level of one rank: nothing to probe
         loops.append(dataclasses.astuple(found) if found is not None else none)
     t = torch.tensor(loops, dtype=torch.float64, device=device)
     every = [torch.empty_like(t) for _ in range(groups.world)]
     dist.all_gather(every, t, group=groups.whole)
     t = torch.quantile(torch.stack(every), 0.5, dim=0)  # of an even count: the mean of the middle two
-    names = [f"{level}_{op}" for level, op in [*_PROBED, *_BUSY]]
-    recorded = {name: [float(x) for x in row] for name, row in zip(names, t, strict=True)}
+    recorded = {f"{level}_{op}": [float(x) for x in row] for (level, op), row in zip(_PROBED, t, strict=True)}
     links = dataclasses.replace(links, overlap_loops=recorded)
     return dataclasses.replace(links, **overlaps_from_loops(links, groups))
 
@@ -620,8 +586,7 @@ def probe_model(
         seconds.append(_mean_seconds(opt_step, repeats, groups.whole) / numel)  # per parameter
     t = _ranks_mean(torch.tensor(seconds, dtype=torch.float64, device=device), groups)
     assert links.overlap_loops is not None
-    # the model's step alone in the loops beside it (not the small gathers' MLP block); levels of one rank: none
-    loops = [row[0] for (level, op) in _PROBED if (row := links.overlap_loops[f"{level}_{op}"])[0] > 0]
+    loops = [row[0] for row in links.overlap_loops.values() if row[0] > 0]  # levels of one rank timed nothing
     return dataclasses.replace(
         links,
         compute_flops=flops / statistics.median([float(t[0]), *loops]),
@@ -654,7 +619,7 @@ def _request(
         "memory_bytes": memory_budget,
         "shared_cores": shared_cores,
     }
-    figures = ("overlap", "slowdown", "reduce_scatter_bandwidth", "reduce_scatter_slowdown", "busy_latency")
+    figures = ("overlap", "slowdown", "reduce_scatter_bandwidth", "reduce_scatter_slowdown")
     measured = [f"{level}_{figure}" for figure in figures for level in ("intra", "inter")]
     for name in ("optimizer_params_per_s", *measured):
         if getattr(links, name) is not None:

@@ -12,7 +12,7 @@ from engine import Block, make
 import paro_torch
 from paro_torch import ParoShardedModule
 from paro_torch._groups import build_groups
-from paro_torch.auto import LinkCalibration, OverlapLoops, estimate, measure_links, model_flops, overlaps_from_loops
+from paro_torch.auto import LinkCalibration, estimate, measure_links, model_flops, overlaps_from_loops
 
 
 def agree(code: str) -> None:
@@ -33,9 +33,9 @@ def main() -> None:
     links = measure_links(groups)
     probe = time.perf_counter() - start
     # links, MLP and AdamW steps (a window of at least 1 s each; the first AdamW step in a process loads the
-    # optimizer's code: ~1 s) and the overlap of each level's gathers with compute (3 trials of three 0.1 s loops),
-    # and its small gathers (beside compute several times slower than alone)
-    assert probe < 30.0, f"the probe took {probe:.2f}s"
+    # optimizer's code: ~1 s) and the overlap of each level's gathers with compute (3 trials of three 0.1 s loops):
+    # about 12 s for 4 ranks on 2 cores
+    assert probe < 16.0, f"the probe took {probe:.2f}s"
     assert links.intra_bandwidth > 0 and links.inter_bandwidth > 0, links
     # the engine's own reduce-scatter, timed apart (on Gloo an all-to-all and a sum: not the all-gather's speed)
     assert links.intra_reduce_scatter_bandwidth and links.inter_reduce_scatter_bandwidth, links
@@ -45,14 +45,8 @@ def main() -> None:
     figures = [links.intra_latency, links.inter_latency, links.intra_bandwidth, links.inter_bandwidth,
                links.compute_flops, links.optimizer_params_per_s, links.intra_reduce_scatter_bandwidth,
                links.inter_reduce_scatter_bandwidth]  # fmt: skip
-    # the overlap probe's loops are recorded (every level and collective, and each level's small all-gathers for
-    # the busy latencies: a ring step's seconds beside compute) and give back its figures
-    assert links.overlap_loops is not None and len(links.overlap_loops) == 6, links
-    assert groups.group_size > 1 and groups.num_groups > 1, groups
-    for level, k in (("intra", groups.group_size), ("inter", groups.num_groups)):
-        loops = OverlapLoops(*links.overlap_loops[f"{level}_small_all_gather"])
-        busy = getattr(links, f"{level}_busy_latency")
-        assert loops.nbytes == 4096 and busy == loops.collectives_beside / loops.calls / (k - 1) > 0, (level, links)
+    # the overlap probe's loops are recorded (every level and collective) and give back its figures
+    assert links.overlap_loops is not None and len(links.overlap_loops) == 4, links
     derived = overlaps_from_loops(links, groups)
     assert derived == {k: getattr(links, k) for k in derived}, (derived, links)
     every: list[object] = [None] * dist.get_world_size()

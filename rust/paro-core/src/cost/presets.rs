@@ -95,8 +95,6 @@ impl GpuPreset {
             inter_overlap: None,
             intra_slowdown: None,
             inter_slowdown: None,
-            intra_busy_latency: None,
-            inter_busy_latency: None,
             intra_reduce_scatter_bandwidth: None,
             inter_reduce_scatter_bandwidth: None,
             intra_reduce_scatter_slowdown: None,

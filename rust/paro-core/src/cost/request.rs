@@ -78,15 +78,6 @@ pub struct Cluster {
     /// See `intra_slowdown`, for inter-group communication.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub inter_slowdown: Option<f64>,
-    /// Seconds of one intra-group ring step while every rank computes beside it, where ranks share cores
-    /// (`shared_cores`): there it takes the place of `intra_latency` in every call, since a step waits for the
-    /// peer's communication thread to get a core, and while a rank waits for a call the ranks that share its cores
-    /// compute. Measured by the overlap probe with small all-gathers (`paro_torch.auto`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub intra_busy_latency: Option<f64>,
-    /// See `intra_busy_latency`, for inter-group ring steps.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub inter_busy_latency: Option<f64>,
     /// Intra-group bandwidth of a reduce-scatter, bytes per second per rank, where it differs from an
     /// all-gather's (`intra_bandwidth`, the default): on Gloo the engine runs it as an all-to-all and a local sum.
     /// Measured by the link probe on the engine's own reduce-scatter.
@@ -104,22 +95,12 @@ pub struct Cluster {
     pub inter_reduce_scatter_slowdown: Option<f64>,
     /// Whether the ranks compute and run their collectives, on both levels, on the same CPU cores (CPU training;
     /// `paro_torch` sets it for CPU ranks). Then a collective's work done beside compute is compute's loss one for
-    /// one, whatever `intra_overlap` and `inter_overlap` say (as if both were 0), every ring step takes the busy
-    /// latency where one is given (`intra_busy_latency`), and a collective runs at its speed alone while compute
-    /// waits for it: the ranks run the same schedule, so the ranks that share its cores wait for it too. On the
-    /// emulated cluster this fits the measured steps best (benchmarks/README.md, "Shared cores: collectives take
-    /// their work from compute").
+    /// one, whatever `intra_overlap` and `inter_overlap` say (as if both were 0), and a collective runs at its speed
+    /// alone while compute waits for it: the ranks run the same schedule, so the ranks that share its cores wait for
+    /// it too. On the emulated cluster this fits the measured steps best (benchmarks/README.md, "Shared cores:
+    /// collectives take their work from compute").
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub shared_cores: bool,
-}
-
-impl Cluster {
-    /// Seconds of one ring step within the groups and across them: the latencies, or where the ranks share cores
-    /// the busy latencies where given (see `intra_busy_latency`).
-    pub fn step_latencies(&self) -> (f64, f64) {
-        let busy = |latency: f64, busy: Option<f64>| if self.shared_cores { busy.unwrap_or(latency) } else { latency };
-        (busy(self.intra_latency, self.intra_busy_latency), busy(self.inter_latency, self.inter_busy_latency))
-    }
 }
 
 /// How the model is trained.
@@ -243,13 +224,6 @@ pub(super) fn validate_cluster(c: &Cluster) -> Result<()> {
         if let Some(v) = v {
             if !(v.is_finite() && v >= 1.0) {
                 return Err(ParoError::Invalid(format!("{name} {v} must be a factor of at least 1, or absent")));
-            }
-        }
-    }
-    for (name, v) in [("intra_busy_latency", c.intra_busy_latency), ("inter_busy_latency", c.inter_busy_latency)] {
-        if let Some(v) = v {
-            if !(v.is_finite() && v >= 0.0) {
-                return Err(ParoError::Invalid(format!("{name} {v} must be seconds (0 or more), or absent")));
             }
         }
     }

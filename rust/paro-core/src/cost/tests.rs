@@ -27,8 +27,6 @@ fn cluster(world: usize) -> Cluster {
         inter_overlap: None,
         intra_slowdown: None,
         inter_slowdown: None,
-        intra_busy_latency: None,
-        inter_busy_latency: None,
         intra_reduce_scatter_bandwidth: None,
         inter_reduce_scatter_bandwidth: None,
         intra_reduce_scatter_slowdown: None,
@@ -159,8 +157,6 @@ fn exact_bytes_and_time_of_one_iig_step() {
             inter_overlap: None,
             intra_slowdown: None,
             inter_slowdown: None,
-            intra_busy_latency: None,
-            inter_busy_latency: None,
             intra_reduce_scatter_bandwidth: None,
             inter_reduce_scatter_bandwidth: None,
             intra_reduce_scatter_slowdown: None,
@@ -412,8 +408,6 @@ fn the_schedule_of_a_ddp_step_by_hand() {
         inter_overlap: None,
         intra_slowdown: None,
         inter_slowdown: None,
-        intra_busy_latency: None,
-        inter_busy_latency: None,
         intra_reduce_scatter_bandwidth: None,
         inter_reduce_scatter_bandwidth: None,
         intra_reduce_scatter_slowdown: None,
@@ -571,34 +565,6 @@ fn the_optimizer_waits_for_the_boundarys_flags_and_the_clip_norm() {
         };
         assert!(close(exposed(&with) - exposed(&without), added), "{code}: {without:?} -> {with:?}");
     }
-}
-
-#[test]
-fn on_shared_cores_every_ring_step_takes_the_busy_latency() {
-    // The flags-and-norm cluster above (α' = 1 s, α = 3 s, bytes free), its busy latencies 2 s and 5 s: ranks that
-    // share cores price every ring step, of every call and of the small all-reduces, at them; other ranks ignore
-    // them. NNN's last unit's all-reduce alone is then 2 + 2·5 + 2 s, the flags 2·2 + 2·5 s.
-    let mut req = request(blocks(&[(12, 12), (12, 12)]), None, Cluster { world: 4, group_size: 2, ..cluster(4) });
-    let c = &mut req.cluster;
-    (c.intra_bandwidth, c.inter_bandwidth, c.intra_latency, c.inter_latency) = (1e18, 1e18, 1.0, 3.0);
-    (c.compute_flops, c.optimizer_params_per_s) = (Some(1.0), Some(1.0));
-    (req.training.micro_batch, req.training.seq_len, req.training.activation_checkpointing) = (1, 1, false);
-    req.training.grad_accum = 1;
-    req.collectives = CollectiveAlgorithm::Phased;
-    let report = |req: &Request| serde_json::to_value(estimate(req).unwrap().strategies).unwrap();
-    let plain = report(&req);
-    (req.cluster.intra_busy_latency, req.cluster.inter_busy_latency) = (Some(2.0), Some(5.0));
-    assert_eq!(report(&req), plain, "busy latencies apply to ranks that share cores only");
-    req.cluster.shared_cores = true;
-    let busy = report(&req);
-    (req.cluster.intra_busy_latency, req.cluster.inter_busy_latency) = (None, None);
-    (req.cluster.intra_latency, req.cluster.inter_latency) = (2.0, 5.0);
-    assert_eq!(busy, report(&req));
-    let nnn = find(&estimate(&req).unwrap(), "NNN").step;
-    // exposed: the last unit's all-reduce (14 s, after the backward) and the flags' (14 s)
-    assert!((nnn.exposed_global_s - 28.0).abs() < 1e-9, "{nnn:?}");
-    req.cluster.intra_busy_latency = Some(-1.0);
-    assert!(estimate(&req).unwrap_err().to_string().contains("intra_busy_latency -1 must be seconds"));
 }
 
 #[test]

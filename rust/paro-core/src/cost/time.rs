@@ -1,4 +1,4 @@
-//! Time of the parts of a step: a collective call (α–β per level, α the busy latency on shared cores; the two levels of a hierarchical call run
+//! Time of the parts of a step: a collective call (α–β per level; the two levels of a hierarchical call run
 //! pipelined on chunks, as the paro backend runs them, those of a phased one in a row, as the engine issues them),
 //! a unit's forward and backward (FLOPs over the rank's throughput) and the optimizer step (the os shard over the
 //! optimizer's throughput).
@@ -31,11 +31,10 @@ impl Context<'_> {
         let (inter, inter_scatter) = slowdowns(c.inter_slowdown, c.inter_reduce_scatter_slowdown);
         let intra_scatter_bandwidth = c.intra_reduce_scatter_bandwidth.unwrap_or(c.intra_bandwidth);
         let inter_scatter_bandwidth = c.inter_reduce_scatter_bandwidth.unwrap_or(c.inter_bandwidth);
-        let (intra_latency, inter_latency) = c.step_latencies();
         (
-            intra * (t.intra_hops as f64 * intra_latency + t.timed_intra as f64 / c.intra_bandwidth)
+            intra * (t.intra_hops as f64 * c.intra_latency + t.timed_intra as f64 / c.intra_bandwidth)
                 + intra_scatter * t.scattered_intra as f64 / intra_scatter_bandwidth,
-            inter * (t.inter_hops as f64 * inter_latency + t.timed_inter as f64 / c.inter_bandwidth)
+            inter * (t.inter_hops as f64 * c.inter_latency + t.timed_inter as f64 / c.inter_bandwidth)
                 + inter_scatter * t.scattered_inter as f64 / inter_scatter_bandwidth,
         )
     }
@@ -61,12 +60,12 @@ impl Context<'_> {
     /// Seconds of a small all-reduce of the engine's (a few flags or a norm: latency only) within the groups
     /// (`Level::Intra`), across them, or over all ranks: its ring steps on each level, 2(k − 1) for k ranks.
     pub(super) fn small_all_reduce_seconds(&self, level: Level) -> f64 {
-        let (intra, inter) = self.req.cluster.step_latencies();
+        let c = &self.req.cluster;
         let steps = |k: u64| 2.0 * k.saturating_sub(1) as f64;
         match level {
-            Level::Intra => steps(self.m) * intra,
-            Level::Inter => steps(self.g) * inter,
-            Level::Global => steps(self.m) * intra + steps(self.g) * inter,
+            Level::Intra => steps(self.m) * c.intra_latency,
+            Level::Inter => steps(self.g) * c.inter_latency,
+            Level::Global => steps(self.m) * c.intra_latency + steps(self.g) * c.inter_latency,
         }
     }
 
