@@ -588,7 +588,8 @@ class ParoShardedModule(nn.Module):
     def _grad_ready(self, buffer: FlatBuffer, grad: torch.Tensor) -> None:
         """A buffer's gradient is complete: queue the reductions now due in the fixed order (Note: reduction order).
 
-        They run on the reduction thread while the units before this one compute their backward.
+        They run on the reduction thread while the units before this one compute their backward; a g = N micro-step
+        without sync only sums locally, which ``_flush_reductions`` does in place.
         """
         i = self._reduce_index[id(buffer)]
         if i in self._ready or i < self._next_reduce:
