@@ -16,8 +16,8 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -151,21 +151,35 @@ def _level(
     )
 
 
-def _mean_seconds(fn: Any, repeats: int, group: dist.ProcessGroup | None, min_s: float = 1.0) -> float:
-    """Mean seconds of ``fn`` per run over at least ``repeats`` runs and ``min_s`` seconds on every rank of ``group``.
+def _mean_seconds(
+    fn: Any, repeats: int, group: dist.ProcessGroup | None, device: torch.device, min_s: float = 1.0
+) -> float:
+    """Mean seconds of ``fn`` per run over at least ``repeats`` runs and ``min_s`` seconds, ``group``'s ranks in step.
 
-    Two warm-up runs first (at 2 x 2 on 2 cores a model's first timed runs after one warm-up read up to 24 % slow),
-    then all ranks start together and each runs until both bounds are met, so that they contend for the cores
-    throughout, as in training (a fixed count lets the first rank done leave the others the cores).
+    Two warm-up runs first (at 2 x 2 on 2 cores a model's first timed runs after one warm-up read up to 24 % slow).
+    With a group, every run ends in a one-element all-reduce over it, as training's collectives hold the ranks
+    together, and every rank runs the same count: ranks that run free drift apart, and the first done leaves the
+    others the cores (on 2 cores, 4 ranks timing a model's step free read up to 21 % below the same step in step:
+    benchmarks/README.md, "The compute probe in step").
     """
-    fn()
-    fn()
-    if group is not None:
-        dist.barrier(group=group)
-    start, runs = time.perf_counter(), 0
-    while runs < repeats or time.perf_counter() - start < min_s:
+    flag = torch.zeros(1, device=device)
+
+    def run() -> None:
         fn()
-        runs += 1
+        if group is not None:
+            dist.all_reduce(flag, group=group)
+
+    run()
+    start = time.perf_counter()
+    run()
+    runs = max(repeats, math.ceil(min_s / max(time.perf_counter() - start, 1e-9)))
+    if group is not None:  # the same count everywhere
+        count = torch.tensor([runs], device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+        runs = int(count)
+    start = time.perf_counter()
+    for _ in range(runs):
+        run()
     return max((time.perf_counter() - start) / runs, 1e-9)
 
 
@@ -212,9 +226,9 @@ def measure_throughputs(
     probe at the same time and the mean of the runs counts, not the best one.
     """
     layer_step, flops = _mlp_step(device)
-    flops_per_s = flops / _mean_seconds(layer_step, repeats, group)
+    flops_per_s = flops / _mean_seconds(layer_step, repeats, group, device)
     opt_step, params = _optimizer_step([(1 << 20,)], device)
-    return flops_per_s, params / _mean_seconds(opt_step, repeats, group)
+    return flops_per_s, params / _mean_seconds(opt_step, repeats, group, device)
 
 
 @dataclass(frozen=True)
@@ -537,13 +551,12 @@ def probe_model(
     ``example_inputs`` is one micro-batch: a dict of keyword arguments, a tuple of positional ones or a tensor.
     Compute: ``flops`` (what the cost model counts for the batch, ``model_flops``) over the seconds of the model's
     forward and backward, so that the figure calibrates the model's count, whatever the model spends beside
-    matrix products (norms, attention, the loss, Python). The seconds are the median of the step's timings spread
-    over the probe: one at its start and the compute loops the overlap probe times alone, one per level and
-    collective (at 2 x 2 on 2 cores one timing read 0.183-0.209 s in six probes, their median 0.182-0.192 s:
-    benchmarks/results/probe-repeat/). Overlap: ``measure_overlap`` with that step as the
-    compute, in loops of at least ``overlap_steps`` steps (a model step is often longer than the default loop; at
-    2 x 2 on 2 cores, loops of one 0.3 s step read an intra-group slowdown of 2.3 to 9.0 between launches of one
-    configuration, loops of two 3.0 to 5.1: benchmarks/README.md, "Probe loop length"). Optimizer: AdamW over zero
+    matrix products (norms, attention, the loss, Python). The seconds are the mean of two timings of the step with
+    the ranks in step (``_mean_seconds``), one before the overlap probe and one after it (the overlap loops' own
+    timings of the step run free and read low). Overlap: ``measure_overlap`` with that step as the compute, in
+    loops of at least ``overlap_steps`` steps (a model step is often longer than the default loop; at 2 x 2 on 2
+    cores, loops of one 0.3 s step read an intra-group slowdown of 2.3 to 9.0 between launches of one configuration,
+    loops of two 3.0 to 5.1: benchmarks/README.md, "Probe loop length"). Optimizer: AdamW over zero
     tensors shaped as the model's trainable parameters (the first ones, up to 2^22 elements), since how fast it runs
     depends on the tensors' sizes as well as their total. Every rank runs
     at once, as in training; all get the ranks' mean seconds (see ``_ranks_mean``). With ``dtype`` (mixed
@@ -568,8 +581,9 @@ def probe_model(
         sync()
 
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        seconds = [_mean_seconds(step, repeats, groups.whole)]
+        first = _mean_seconds(step, repeats, groups.whole, device)
         links = _overlaps(links, groups, device, step, loop_steps=overlap_steps)
+        seconds = [(first + _mean_seconds(step, repeats, groups.whole, device)) / 2]
     for p, g in zip(params, grads, strict=True):
         p.grad = g
     with torch.no_grad():
@@ -583,13 +597,11 @@ def probe_model(
         total += p.numel()
     if shapes:
         opt_step, numel = _optimizer_step(shapes, device)
-        seconds.append(_mean_seconds(opt_step, repeats, groups.whole) / numel)  # per parameter
+        seconds.append(_mean_seconds(opt_step, repeats, groups.whole, device) / numel)  # per parameter
     t = _ranks_mean(torch.tensor(seconds, dtype=torch.float64, device=device), groups)
-    assert links.overlap_loops is not None
-    loops = [row[0] for row in links.overlap_loops.values() if row[0] > 0]  # levels of one rank timed nothing
     return dataclasses.replace(
         links,
-        compute_flops=flops / statistics.median([float(t[0]), *loops]),
+        compute_flops=flops / float(t[0]),
         compute_probe="model",
         optimizer_params_per_s=1 / float(t[1]) if shapes else links.optimizer_params_per_s,
     )

@@ -204,8 +204,9 @@ def test_overlap_probe_raises_what_its_collectives_raised(monkeypatch: pytest.Mo
         auto.measure_overlap(torch.device("cpu"), dist.group.WORLD, step=lambda: None, loop_s=0.001, trials=1)
 
 
-def test_model_probe_takes_the_median_of_its_compute_timings(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One slow timing (a slow spell of the machine) does not move the compute figure; untimed loops do not count."""
+def test_model_probe_takes_its_two_in_step_timings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compute: the mean of the step's timings before and after the overlap probe; the loops' free timings do not
+    count."""
     import dataclasses
 
     import torch
@@ -218,10 +219,12 @@ def test_model_probe_takes_the_median_of_its_compute_timings(monkeypatch: pytest
                  "inter_reduce_scatter": 0.0}  # fmt: skip  # 0: a level of one rank, nothing timed
         return dataclasses.replace(links, overlap_loops={k: [v, 0, 0, 0, 0, 0, 0] for k, v in steps.items()})
 
+    timings = iter([0.2, 0.3, 2.0])  # the step before the loops, after them; AdamW (per parameter: 2.0 / 6)
     monkeypatch.setattr(auto, "_overlaps", loops)
-    monkeypatch.setattr(auto, "_mean_seconds", lambda *_, **__: 1.0)  # the first timing, slow
+    monkeypatch.setattr(auto, "_mean_seconds", lambda *_, **__: next(timings))
     links = auto.LinkCalibration(1e9, 1e9, 0.0, 0.0)
     with _one_rank_group():
         got = auto.probe_model(links, build_groups(1), torch.nn.Linear(2, 2), torch.ones(1, 2), flops=1e9,
                                device=torch.device("cpu"))  # fmt: skip
-    assert got.compute_flops == pytest.approx(1e9 / 0.115)  # the median of 1.0, 0.1, 0.12, 0.11 (with 0: 0.11)
+    assert got.compute_flops == pytest.approx(1e9 / 0.25)
+    assert got.optimizer_params_per_s == pytest.approx(6 / 2.0)

@@ -52,6 +52,10 @@ def main() -> None:
     every: list[object] = [None] * dist.get_world_size()
     dist.all_gather_object(every, [figures, links.overlap_loops])
     assert all(e == [figures, links.overlap_loops] for e in every), f"the ranks' figures differ: {every}"
+    # the probe's timings run the ranks in step: ranks whose runs take 5 ms read rank 0's 20 ms as well
+    pace = paro_torch.auto._mean_seconds(lambda: time.sleep(0.02 if rank == 0 else 0.005), 3, dist.group.WORLD,
+                                         torch.device("cpu"), min_s=0.2)  # fmt: skip
+    assert pace >= 0.02, f"rank {rank} timed {pace:.4f} s per run: not in step with rank 0"
 
     # a generous budget: the cost model's fastest strategy, the same on every rank
     model = ParoShardedModule(make("plain"), "auto", process_groups=pgs, wrap_policy={Block}, memory_budget=10**9)
