@@ -27,7 +27,9 @@ MODEL = {"hidden": 384, "intermediate": 1024, "layers": 4, "heads": 8, "kv_heads
 def main() -> None:
     if os.environ.get("MIN_S"):
         timed = auto._mean_seconds
-        auto._mean_seconds = lambda fn, repeats, group, min_s=1.0: timed(fn, repeats, group, float(os.environ["MIN_S"]))
+        auto._mean_seconds = lambda fn, repeats, group, device, min_s=1.0: timed(  # (device: since de931cb)
+            fn, repeats, group, device, float(os.environ["MIN_S"])
+        )
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     cfg = {"model": MODEL, "seed": 0, "scenario": os.environ.get("SC", "lora"), "lora_r": 8, "partial_fraction": 1 / 16}
