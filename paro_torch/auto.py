@@ -159,7 +159,7 @@ def _mean_seconds(
     Two warm-up runs first (at 2 x 2 on 2 cores a model's first timed runs after one warm-up read up to 24 % slow).
     With a group, every run ends in a one-element all-reduce over it, as training's collectives hold the ranks
     together, and every rank runs the same count: ranks that run free drift apart, and the first done leaves the
-    others the cores (on 2 cores, 4 ranks timing a model's step free read up to 21 % below the same step in step:
+    others the cores (on 2 cores, 4 ranks timing a model's step free read 6-28 % below the same step in step:
     benchmarks/README.md, "The compute probe in step").
     """
     flag = torch.zeros(1, device=device)
