@@ -81,12 +81,14 @@ class Ledger:
     """What the collectives one communication thread ran on a buffer cost this rank.
 
     ``sent``: bytes per level ("intra", "inter") by the ring formula of each collective (nominal, as the cost model
-    counts them). ``seconds``: wall seconds per "<collective> <level>" from each call to its return, on the CPU
-    only, where a Gloo call returns when its work is done (waiting for late peers included); on CUDA calls return
-    once queued, and nothing is recorded.
+    counts them). ``unpacked``: bytes copied out of gathered buffers into the parameters' natural storage (the cost
+    model's ``unpacked_bytes``). ``seconds``: wall seconds per "<collective> <level>" from each call to its return,
+    and of the copy-outs ("unpack local"), on the CPU only, where a Gloo call returns when its work is done (waiting
+    for late peers included); on CUDA calls return once queued, and nothing is recorded.
     """
 
     sent: dict[str, int] = field(default_factory=lambda: {"intra": 0, "inter": 0})
+    unpacked: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
 
     @contextlib.contextmanager
@@ -103,8 +105,21 @@ class Ledger:
         k = dist.get_world_size(pg)
         self.sent[level] += passes * (k - 1) * (whole.numel() * whole.element_size() // k)
 
+    @contextlib.contextmanager
+    def unpack(self, whole: torch.Tensor, grown: float = 0.0) -> Iterator[None]:
+        """Records the enclosed copy-out of the gathered buffer ``whole`` into natural storage.
+
+        ``grown``: the seconds the storage took to grow, before the gather (counted with the copy).
+        """
+        start = time.perf_counter() - grown
+        yield
+        if whole.device.type == "cpu":
+            self.seconds["unpack local"] = self.seconds.get("unpack local", 0.0) + time.perf_counter() - start
+        self.unpacked += whole.numel() * whole.element_size()
+
     def reset(self) -> None:
         self.sent.update(intra=0, inter=0)
+        self.unpacked = 0
         self.seconds.clear()
 
 
@@ -314,6 +329,7 @@ class FlatBuffer:
             return self._unshard()
 
     def _unshard(self) -> torch.Tensor:
+        start = time.perf_counter()  # the storage is held (and grown) from here: memory counts it as unsharded
         if self.full is None:
             self.full = torch.empty(self.numel, dtype=self.param_dtype, device=self.device)
             if self.trainable:
@@ -323,13 +339,25 @@ class FlatBuffer:
             self.full.untyped_storage().resize_(self.numel * self.full.element_size())
         else:
             return self.full
+        grown = time.perf_counter() - start
         whole = torch.empty(self.padded, dtype=self.param_dtype, device=self.device)
         self._gather_to_whole(self.p_shard, self.strategy.p, whole)
         # the re-gather before backward refills the storage that forward's saved views point to; keep the
         # version counter so autograd accepts it (as FSDP does)
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full):
-            self.from_blocks(whole, self.full.detach())
+        with self._unpack(whole, self.strategy.p, grown), torch.no_grad():
+            with torch.autograd._unsafe_preserve_version_counter(self.full):
+                self.from_blocks(whole, self.full.detach())
         return self.full
+
+    def _unpack(self, whole: torch.Tensor, granularity: str, grown: float = 0.0) -> contextlib.AbstractContextManager:
+        """The ledger's record (``Ledger.unpack``) of a copy-out of ``whole``, gathered from ``granularity``.
+
+        None where no group took part (a level of one rank), as the cost model counts it.
+        """
+        g = self.groups
+        if g.intra is None and (granularity != G or g.inter is None):
+            return contextlib.nullcontext()
+        return self.ledger.unpack(whole, grown)
 
     def reshard(self) -> None:
         """Frees the gathered buffer (p = I, G) and drops the modules' attributes that viewed it.
@@ -467,7 +495,8 @@ class FlatBuffer:
             else:  # p = N keeps the natural layout: gather the blocks, then copy out
                 whole = torch.empty(self.padded, dtype=self.param_dtype, device=self.device)
                 self._gather_to_whole(master.to(self.param_dtype), s.os, whole)
-                self.from_blocks(whole, p_shard)
+                with self._unpack(whole, s.os):
+                    self.from_blocks(whole, p_shard)
 
     def full_values(self) -> torch.Tensor:
         """The whole natural buffer's current values (masters for trainable parameters), gathered on every rank."""

@@ -71,6 +71,9 @@ class LinkCalibration:
     ``intra_slowdown``)."""
     inter_reduce_scatter_slowdown: float | None = None
     """The same for inter-group reduce-scatters."""
+    unpack_bandwidth: float | None = None
+    """Bytes per second at which a rank copies gathered parameters out into storage it re-grows for them, as the
+    engine's unshard does (None: not measured, the copy-out not counted)."""
     overlap_loops: dict[str, list[float]] | None = None
     """The overlap probe's timings the overlap figures come from, by level and collective ("intra_all_gather", ...):
     ``OverlapLoops``' fields, the ranks' median of each (None: not measured)."""
@@ -181,6 +184,40 @@ def _mean_seconds(
     for _ in range(runs):
         run()
     return max((time.perf_counter() - start) / runs, 1e-9)
+
+
+def _unpack_step(nbytes: int, device: torch.device, copies: int = 4) -> Callable[[], None]:
+    """``copies`` copy-outs of a gathered buffer of about ``nbytes``, as the engine's unshard makes them.
+
+    Each re-grows a freed storage (the unshard's ``full``), copies the gathered buffer into it and frees it again:
+    on the CPU the re-grown storage may fault its pages in again (benchmarks/README.md, "The unshard's copy-out").
+    """
+    whole = torch.zeros(max(nbytes // 4, 1), device=device)
+    full = torch.empty_like(whole)
+    size = full.untyped_storage().size()
+    full.untyped_storage().resize_(0)
+    sync = _sync(device)
+
+    def step() -> None:
+        for _ in range(copies):
+            full.untyped_storage().resize_(size)
+            full.copy_(whole)
+            full.untyped_storage().resize_(0)
+        sync()
+
+    return step
+
+
+def measure_unpack(groups: ParoGroups, nbytes: int = 16 << 20, repeats: int = 5, device: torch.device | None = None,
+                   copies: int = 4) -> float:  # fmt: skip
+    """The unshard's copy-out speed, bytes per second per rank (``LinkCalibration.unpack_bandwidth``).
+
+    Every rank copies at once with the ranks in step (``_mean_seconds``), as in training; all get the ranks' mean.
+    """
+    device = device or torch.device("cpu")
+    step = _unpack_step(nbytes, device, copies)
+    seconds = torch.tensor([_mean_seconds(step, repeats, groups.whole, device, min_s=0.5)], dtype=torch.float64)
+    return copies * (max(nbytes // 4, 1) * 4) / float(_ranks_mean(seconds.to(device), groups)[0])
 
 
 def _mlp_step(device: torch.device) -> tuple[Any, float]:
@@ -398,11 +435,12 @@ def measure_links(
     throughputs: bool = True,
     rounds: int = 3,
 ) -> LinkCalibration:
-    """Measures both levels on ``device`` (default: the CPU) and, with ``throughputs``, the ranks' throughputs.
+    """Measures both levels, the copy-out and, with ``throughputs``, the ranks' throughputs on ``device``.
 
-    The throughputs and overlaps come from stand-in steps (an MLP block, AdamW); without ``throughputs`` they are
-    left unmeasured, for ``probe_model`` to measure on the model. Every rank returns the same figures (the links' of
-    the slowest rank, the throughputs' of the ranks' mean).
+    ``device`` defaults to the CPU; the copy-out is ``measure_unpack``'s. The throughputs and overlaps come from
+    stand-in steps (an MLP block, AdamW); without ``throughputs`` they are left unmeasured, for ``probe_model`` to
+    measure on the model. Every rank returns the same figures (the links' of the slowest rank, the throughputs' and
+    the copy-out's of the ranks' mean).
 
     The links are probed in ``rounds`` rounds, each figure the median over them: one round can read far off (at
     2 x 4 on 2 cores, the training benchmark's probes read the intra-group bandwidth 98-333 MB/s between launches,
@@ -425,6 +463,7 @@ def measure_links(
         inter_latency=float(t[1]),
         intra_reduce_scatter_bandwidth=float(-t[4]),
         inter_reduce_scatter_bandwidth=float(-t[5]),
+        unpack_bandwidth=measure_unpack(groups, large, repeats, device),
     )
     if not throughputs:
         return links
@@ -633,7 +672,7 @@ def _request(
     }
     figures = ("overlap", "slowdown", "reduce_scatter_bandwidth", "reduce_scatter_slowdown")
     measured = [f"{level}_{figure}" for figure in figures for level in ("intra", "inter")]
-    for name in ("optimizer_params_per_s", *measured):
+    for name in ("optimizer_params_per_s", "unpack_bandwidth", *measured):
         if getattr(links, name) is not None:
             cluster[name] = getattr(links, name)
     training = dict(training)

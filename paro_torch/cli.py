@@ -103,6 +103,12 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--inter-bandwidth", metavar="GB/S", type=float, help="per rank, across groups")
     plan.add_argument("--intra-latency", metavar="US", type=float, help="per ring step, µs (default 5)")
     plan.add_argument("--inter-latency", metavar="US", type=float, help="per ring step, µs (default 20)")
+    plan.add_argument(
+        "--unpack-bandwidth",
+        metavar="GB/S",
+        type=float,
+        help="copy-out of gathered parameters into their storage, per rank (default: not counted)",
+    )
     plan.add_argument("--micro-batch", metavar="B", type=int, help="sequences per micro-step per rank")
     plan.add_argument("--seq-len", metavar="S", type=int, help="tokens per sequence")
     plan.add_argument("--grad-accum", metavar="A", type=int, help="micro-steps per optimizer step")
@@ -163,6 +169,7 @@ def _request(args: argparse.Namespace) -> dict[str, Any]:
         ("inter_bandwidth", args.inter_bandwidth, GB),
         ("intra_latency", args.intra_latency, 1e-6),
         ("inter_latency", args.inter_latency, 1e-6),
+        ("unpack_bandwidth", args.unpack_bandwidth, GB),
     ):
         if value is not None:
             cluster[key] = round(value * unit) if key == "memory_bytes" else value * unit

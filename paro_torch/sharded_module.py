@@ -1005,12 +1005,21 @@ class ParoShardedModule(nn.Module):
                 out[level] += ledger.sent[level]
         return out
 
+    def unpacked_bytes(self) -> int:
+        """Bytes this rank copied out of gathered parameter buffers into natural storage since the last reset.
+
+        Local work, not traffic: after each gather for compute (p = I, G) and t_syncp's gather at p = N; the cost
+        model's ``unpacked_bytes``, priced at the probed ``unpack_bandwidth``.
+        """
+        return sum(ledger.unpacked for ledger in self._ledgers())
+
     def comm_seconds(self) -> dict[str, float]:
         """Wall seconds this rank's communication threads spent in each kind of collective since the last reset.
 
         Keyed "<collective> <level>" (e.g. "reduce_scatter inter"), from each call to its return, waits for late
-        peers included: where a step's communication goes, beside the cost model's ``collectives`` rows. CPU only
-        (Gloo calls return when done); empty on CUDA, where calls return once queued.
+        peers included, and "unpack local" for the copy-outs after gathers (``unpacked_bytes``): where a step's
+        communication goes, beside the cost model's ``collectives`` rows. CPU only (Gloo calls return when done);
+        empty on CUDA, where calls return once queued.
         """
         out: dict[str, float] = {}
         for ledger in self._ledgers():
@@ -1019,7 +1028,7 @@ class ParoShardedModule(nn.Module):
         return out
 
     def reset_comm_bytes(self) -> None:
-        """Zeroes the counters of ``comm_bytes`` and ``comm_seconds``."""
+        """Zeroes the counters of ``comm_bytes``, ``unpacked_bytes`` and ``comm_seconds``."""
         for ledger in self._ledgers():
             ledger.reset()
 

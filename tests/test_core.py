@@ -228,3 +228,27 @@ def test_model_probe_takes_its_two_in_step_timings(monkeypatch: pytest.MonkeyPat
                                device=torch.device("cpu"))  # fmt: skip
     assert got.compute_flops == pytest.approx(1e9 / 0.25)
     assert got.optimizer_params_per_s == pytest.approx(6 / 2.0)
+
+
+def test_copy_out_probe_regrows_copies_and_frees_like_the_unshard(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe's step re-grows a freed storage, copies into it and frees it; its speed is bytes over seconds."""
+    import torch
+
+    from paro_torch import auto
+    from paro_torch._groups import build_groups
+
+    grown = []
+    resize = torch.UntypedStorage.resize_
+
+    def spy(storage: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
+        grown.append(size)
+        return resize(storage, size)
+
+    step = auto._unpack_step(4096, torch.device("cpu"), copies=3)
+    monkeypatch.setattr(torch.UntypedStorage, "resize_", spy)
+    step()
+    assert grown == [4096, 0] * 3
+    monkeypatch.setattr(auto, "_mean_seconds", lambda *_, **__: 0.5)
+    with _one_rank_group():
+        speed = auto.measure_unpack(build_groups(1), nbytes=1 << 20, copies=4)
+    assert speed == pytest.approx(4 * (1 << 20) / 0.5)

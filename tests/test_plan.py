@@ -100,6 +100,20 @@ def test_clipping_adds_the_norms_all_reduce_where_optimizer_states_are_sharded(
     assert added["NNG"] == pytest.approx(14 * 5e-6 + 14 * 20e-6, rel=1e-6)
 
 
+def test_unpack_bandwidth_prices_the_copy_out_of_gathered_parameters(capsys: pytest.CaptureFixture[str]) -> None:
+    # the presets leave the copy-out out; given, each gather that copies out takes unpacked / B_u longer
+    args = ["--model", "llama-7b", "--nodes", "4", "--trainable", "1/16", *SCENARIO]
+    plain = by_code(plan_json(capsys, *args))
+    priced = by_code(plan_json(capsys, *args, "--unpack-bandwidth", "500"))
+    for code, s in plain.items():
+        assert s["unpacked_bytes"] == priced[code]["unpacked_bytes"]
+        assert (s["unpacked_bytes"] > 0) == (code[0] != "N" or code[2] != "N"), code
+        for a, b in zip(s["collectives"], priced[code]["collectives"], strict=True):
+            assert b["time_s"] - a["time_s"] == pytest.approx(a["unpacked_bytes"] / 500e9, rel=1e-9, abs=1e-12)
+    assert priced["IIG"]["step"]["step_s"] > plain["IIG"]["step"]["step_s"]
+    assert priced["NNN"]["step"]["step_s"] == plain["NNN"]["step"]["step_s"]
+
+
 def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--model", "llama-65b", "--nodes", "8", *SCENARIO]) == 0
     out = capsys.readouterr().out

@@ -1,4 +1,5 @@
-"""Memory held and bytes sent per step by ParoShardedModule equal the Rust cost model's numbers exactly."""
+"""Memory held, bytes sent and bytes copied out per step by ParoShardedModule equal the Rust cost model's numbers
+exactly."""
 
 import json
 import sys
@@ -47,6 +48,8 @@ def engine_kinds(rows: list[dict]) -> set[str]:
     for row in rows:
         parts = GLOBAL_PARTS[row["op"]] if row["level"] == "global" else [(row["op"], row["level"])]
         kinds |= {f"{op} {level}" for op, level in parts if row[f"{level}_bytes"] > 0}
+        if row["unpacked_bytes"] > 0:
+            kinds.add("unpack local")
     return kinds
 
 
@@ -91,16 +94,16 @@ def main() -> None:
             assert set(timed) == engine_kinds(want["collectives"]), (code, variant, timed, want["collectives"])
             assert all(s > 0 for s in timed.values()), (code, timed)
             mem = model.memory_stats(opt)
-            got = (mem["params"], mem["grads"], mem["optimizer_states"], intra, inter)
+            got = (mem["params"], mem["grads"], mem["optimizer_states"], intra, inter, model.unpacked_bytes())
             expected = (want["memory"]["params"], want["memory"]["grads"], want["memory"]["optimizer_states"],
-                        want["intra_bytes"], want["inter_bytes"])  # fmt: skip
+                        want["intra_bytes"], want["inter_bytes"], want["unpacked_bytes"])  # fmt: skip
             # torch.chunk gives rank 0 the largest chunk of every parameter: the cost model's figure is rank 0's
             if rank == 0:
                 assert got == expected, f"{code} {variant}: measured {got} != cost model {expected}"
             else:
                 assert got[:2] + got[3:] == expected[:2] + expected[3:] and got[2] <= expected[2], (code, got, expected)
             if rank == 0:
-                print(f"{code} {variant}: params/grads/optim/intra/inter = {got}", flush=True)
+                print(f"{code} {variant}: params/grads/optim/intra/inter/unpacked = {got}", flush=True)
     dist.destroy_process_group()
 
 

@@ -50,6 +50,9 @@ pub struct StrategyEstimate {
     pub intra_bytes: u64,
     /// Bytes each rank sends over inter-group links per training step.
     pub inter_bytes: u64,
+    /// Bytes each rank copies out of gathered parameter buffers per training step (local work, not traffic).
+    #[serde(default)]
+    pub unpacked_bytes: u64,
     /// Communication time per training step if nothing overlapped: the sum of the collectives' times, seconds.
     pub time_s: f64,
     /// Predicted step time and its parts (the step schedule), seconds.
@@ -223,10 +226,11 @@ impl<'a> Context<'a> {
         let memory = self.memory(s)?;
         let collectives = self.step_rows(s)?;
         let w = "the bytes per step";
-        let (mut intra, mut inter) = (0u64, 0u64);
+        let (mut intra, mut inter, mut unpacked) = (0u64, 0u64, 0u64);
         for c in &collectives {
             intra = checked_add(intra, c.intra_bytes, w)?;
             inter = checked_add(inter, c.inter_bytes, w)?;
+            unpacked = checked_add(unpacked, c.unpacked_bytes, w)?;
         }
         Ok(StrategyEstimate {
             strategy: s,
@@ -236,6 +240,7 @@ impl<'a> Context<'a> {
             memory,
             intra_bytes: intra,
             inter_bytes: inter,
+            unpacked_bytes: unpacked,
             time_s: collectives.iter().map(|c| c.time_s).sum(),
             step: self.step_time(s)?,
             collectives,

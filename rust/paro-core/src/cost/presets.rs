@@ -99,6 +99,9 @@ impl GpuPreset {
             inter_reduce_scatter_bandwidth: None,
             intra_reduce_scatter_slowdown: None,
             inter_reduce_scatter_slowdown: None,
+            // the engine's copy-out after each parameter gather is not counted: the paper's system gathers in
+            // place (benchmarks/README.md, "The unshard's copy-out"); where paro runs, the link probe measures it
+            unpack_bandwidth: None,
             shared_cores: false,
         })
     }

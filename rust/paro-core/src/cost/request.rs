@@ -93,6 +93,12 @@ pub struct Cluster {
     /// See `intra_reduce_scatter_slowdown`, for inter-group communication.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub inter_reduce_scatter_slowdown: Option<f64>,
+    /// Bytes per second at which a rank copies a gathered parameter buffer out into the parameters' own storage,
+    /// which it allocates for the purpose (the engine's unshard re-grows storage freed at the last reshard; on the
+    /// CPU that faults fresh pages in). Without it the copy-out is free. Measured by the link probe
+    /// (`paro_torch.auto`) on the engine's own steps.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unpack_bandwidth: Option<f64>,
     /// Whether the ranks compute and run their collectives, on both levels, on the same CPU cores (CPU training;
     /// `paro_torch` sets it for CPU ranks). Then a collective's work done beside compute is compute's loss one for
     /// one, whatever `intra_overlap` and `inter_overlap` say (as if both were 0), and a collective runs at its speed
@@ -201,6 +207,7 @@ pub(super) fn validate_cluster(c: &Cluster) -> Result<()> {
         ("optimizer_params_per_s", c.optimizer_params_per_s),
         ("intra_reduce_scatter_bandwidth", c.intra_reduce_scatter_bandwidth),
         ("inter_reduce_scatter_bandwidth", c.inter_reduce_scatter_bandwidth),
+        ("unpack_bandwidth", c.unpack_bandwidth),
     ] {
         if let Some(v) = v {
             if !(v.is_finite() && v > 0.0) {

@@ -248,10 +248,12 @@ impl Context<'_> {
                     Level::Global => &[1, 2],
                 };
                 let (intra, inter) = self.level_seconds(&c.traffic, false);
-                let seconds = self.joined(c, intra, inter); // call_seconds, from the levels' parts
+                let unpack = self.unpack_seconds(&c.traffic);
+                let seconds = self.joined(c, intra, inter) + unpack; // call_seconds, from the parts
                 let task = sim.run(slots, seconds, &[last, memory], Some(c.level));
                 // a call on both levels (pipelined, in a row or, for a flat call, timed on the inter level alone):
-                // its levels' slowdowns stretch their parts, and compute loses their overlaps' average by time
+                // its levels' slowdowns stretch their parts, and compute loses their overlaps' average by time;
+                // the copy-out is local work, priced as the intra level's (unslowed)
                 let cluster = &self.req.cluster;
                 if seconds > 0.0 {
                     let (lost_intra, lost_inter) = if cluster.shared_cores {
@@ -261,8 +263,8 @@ impl Context<'_> {
                     };
                     let (slow_intra, slow_inter) = self.level_seconds(&c.traffic, true);
                     let t = &mut sim.tasks[task];
-                    t.cost = (lost_intra * intra + lost_inter * inter) / (intra + inter);
-                    t.slowdown = self.joined(c, slow_intra, slow_inter) / seconds;
+                    t.cost = (lost_intra * (intra + unpack) + lost_inter * inter) / (intra + inter + unpack);
+                    t.slowdown = (self.joined(c, slow_intra, slow_inter) + unpack) / seconds;
                 }
                 last = Some(task);
             }

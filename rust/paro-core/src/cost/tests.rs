@@ -31,6 +31,7 @@ fn cluster(world: usize) -> Cluster {
         inter_reduce_scatter_bandwidth: None,
         intra_reduce_scatter_slowdown: None,
         inter_reduce_scatter_slowdown: None,
+        unpack_bandwidth: None,
         shared_cores: false,
     }
 }
@@ -161,6 +162,7 @@ fn exact_bytes_and_time_of_one_iig_step() {
             inter_reduce_scatter_bandwidth: None,
             intra_reduce_scatter_slowdown: None,
             inter_reduce_scatter_slowdown: None,
+            unpack_bandwidth: None,
             shared_cores: false,
         },
     );
@@ -412,6 +414,7 @@ fn the_schedule_of_a_ddp_step_by_hand() {
         inter_reduce_scatter_bandwidth: None,
         intra_reduce_scatter_slowdown: None,
         inter_reduce_scatter_slowdown: None,
+        unpack_bandwidth: None,
         shared_cores: false,
     };
     let mut req = request(blocks(&[(10, 10), (10, 10)]), None, cluster);
@@ -495,6 +498,46 @@ fn reduce_scatters_move_at_their_own_measured_speed() {
     assert!(slowed > step(&req).0 && step(&req).0 > 150.0, "{slowed} {:?}", step(&req));
     req.cluster.inter_reduce_scatter_bandwidth = Some(0.0);
     assert!(estimate(&req).unwrap_err().to_string().contains("inter_reduce_scatter_bandwidth 0 must be a positive"));
+}
+
+#[test]
+fn the_copy_out_of_a_gather_runs_at_the_unpack_bandwidth() {
+    // The hand-timed NGG step above with the copy-out priced: t_syncp (p = N, os = G) gathers each unit's 20 bytes
+    // of blocks and copies them out into the natural layout, 10 s at 2 bytes/s. Unit 0's t_syncp 0–20 (10 s on
+    // the link, 10 s copying), forward 20–40 with unit 1's t_syncp behind it, forward 40–60, backward 60–100 and
+    // 100–140, unit 1's reduce-scatter behind the latter, unit 0's 140–150, the optimizer 150–160.
+    let mut req = request(blocks(&[(10, 10), (10, 10)]), None, Cluster { world: 2, group_size: 2, ..cluster(2) });
+    (req.cluster.intra_bandwidth, req.cluster.intra_latency) = (1.0, 0.0);
+    (req.cluster.compute_flops, req.cluster.optimizer_params_per_s) = (Some(1.0), Some(1.0));
+    (req.training.micro_batch, req.training.seq_len, req.training.activation_checkpointing) = (1, 1, false);
+    (req.training.grad_accum, req.strategies) = (1, Some(vec!["NGG".into()]));
+    req.cluster.unpack_bandwidth = Some(2.0);
+    let e = find(&estimate(&req).unwrap(), "NGG").clone();
+    let gather = e.collectives.iter().find(|c| c.op == Collective::AllGather).unwrap();
+    assert_eq!((e.step.step_s, gather.time_s, gather.unpacked_bytes, e.unpacked_bytes), (160.0, 40.0, 40, 40));
+    // Every strategy copies out what it gathers for compute (p = I, G: before forward and backward) and, at p = N,
+    // what t_syncp gathers (p = I gathers t_syncp into its shard in place); each such call takes unpacked / B_u
+    // longer, and the bytes are there whether or not the bandwidth is given.
+    let mut req = request(blocks(&[(1000, 1000), (700, 300), (500, 0)]), None, cluster(16));
+    req.cluster.group_size = 4;
+    let plain = estimate(&req).unwrap();
+    req.cluster.unpack_bandwidth = Some(1e9);
+    let priced = estimate(&req).unwrap();
+    for (a, b) in plain.strategies.iter().zip(&priced.strategies) {
+        let s = a.strategy;
+        let copied = |c: &&CollectiveCost| {
+            c.phase == Phase::ParamGather || (c.phase == Phase::SyncParam && s.p == crate::strategy::Granularity::N)
+        };
+        let want: u64 = a.collectives.iter().filter(copied).map(|c| c.payload_bytes).sum();
+        assert_eq!((a.unpacked_bytes, b.unpacked_bytes), (want, want), "{}", a.code);
+        assert_eq!(want > 0, s.p != crate::strategy::Granularity::N || s.os != s.p, "{}", a.code);
+        for (x, y) in a.collectives.iter().zip(&b.collectives) {
+            assert_eq!(x.unpacked_bytes, if copied(&x) { x.payload_bytes } else { 0 }, "{} {:?}", a.code, x.phase);
+            assert!((y.time_s - x.time_s - x.unpacked_bytes as f64 / 1e9).abs() < 1e-12, "{} {:?}", a.code, x.phase);
+        }
+    }
+    req.cluster.unpack_bandwidth = Some(0.0);
+    assert!(estimate(&req).unwrap_err().to_string().contains("unpack_bandwidth 0 must be a positive"));
 }
 
 #[test]

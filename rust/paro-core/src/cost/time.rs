@@ -1,5 +1,6 @@
 //! Time of the parts of a step: a collective call (α–β per level; the two levels of a hierarchical call run
-//! pipelined on chunks, as the paro backend runs them, those of a phased one in a row, as the engine issues them),
+//! pipelined on chunks, as the paro backend runs them, those of a phased one in a row, as the engine issues them;
+//! then the copy-out of a parameter gather into the parameters' storage at the unpack bandwidth),
 //! a unit's forward and backward (FLOPs over the rank's throughput) and the optimizer step (the os shard over the
 //! optimizer's throughput).
 
@@ -44,7 +45,13 @@ impl Context<'_> {
     /// level's time plus one chunk of the faster one. A phased one takes both levels' times in a row.
     pub(super) fn call_seconds(&self, c: &Call) -> f64 {
         let (a, b) = self.level_seconds(&c.traffic, false);
-        self.joined(c, a, b)
+        self.joined(c, a, b) + self.unpack_seconds(&c.traffic)
+    }
+
+    /// Seconds of the rank's copy-out after a gather (`Traffic::unpacked`), which follows the whole call; 0 when
+    /// the request gives no unpack bandwidth.
+    pub(super) fn unpack_seconds(&self, t: &Traffic) -> f64 {
+        self.req.cluster.unpack_bandwidth.map_or(0.0, |rate| t.unpacked as f64 / rate)
     }
 
     /// Seconds of call `c` whose intra-group part takes `a` seconds and inter-group part `b` (see `call_seconds`).

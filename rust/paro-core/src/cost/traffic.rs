@@ -54,6 +54,10 @@ pub struct CollectiveCost {
     pub intra_bytes: u64,
     /// Bytes each rank sends over inter-group links per step (rank average for a flat global ring).
     pub inter_bytes: u64,
+    /// Bytes each rank copies per step from the gathered buffers into the parameters' own storage (the engine's
+    /// copy-out after a parameter gather; see `Traffic::unpacked`).
+    #[serde(default)]
+    pub unpacked_bytes: u64,
     /// Time of its calls per step, one after the other, seconds (see `time.rs`).
     pub time_s: f64,
 }
@@ -86,6 +90,10 @@ pub(super) struct Traffic {
     pub scattered_intra: u64,
     /// Bytes of reduce-scatters that move at the inter reduce-scatter bandwidth (B unless measured apart).
     pub scattered_inter: u64,
+    /// Bytes the rank copies out of a gathered parameter buffer (blocked layout) into the parameters' natural
+    /// storage, which it allocates for the call (the unshard's storage, re-grown after each reshard, or t_syncp's
+    /// staging buffer): local work at the unpack bandwidth (`Cluster::unpack_bandwidth`), not traffic.
+    pub unpacked: u64,
 }
 
 impl Traffic {
@@ -100,6 +108,7 @@ impl Traffic {
             timed_inter: checked_add(self.timed_inter, o.timed_inter, w)?,
             scattered_intra: checked_add(self.scattered_intra, o.scattered_intra, w)?,
             scattered_inter: checked_add(self.scattered_inter, o.scattered_inter, w)?,
+            unpacked: checked_add(self.unpacked, o.unpacked, w)?,
         })
     }
 
@@ -114,6 +123,7 @@ impl Traffic {
             timed_inter: checked_mul(self.timed_inter, k, w)?,
             scattered_intra: checked_mul(self.scattered_intra, k, w)?,
             scattered_inter: checked_mul(self.scattered_inter, k, w)?,
+            unpacked: checked_mul(self.unpacked, k, w)?,
         })
     }
 
@@ -159,7 +169,8 @@ impl Context<'_> {
         if s.p != N {
             for numel in [tr, fr].into_iter().filter(|&x| x > 0) {
                 let bytes = checked_mul(numel, t.param_bytes, w)?;
-                self.push(&mut calls.gather, Phase::ParamGather, Collective::AllGather, level_of(s.p), bytes)?;
+                // the gathered blocks are copied out into the unit's natural storage
+                self.push(&mut calls.gather, Phase::ParamGather, Collective::AllGather, level_of(s.p), bytes, bytes)?;
             }
         }
         if tr == 0 {
@@ -169,28 +180,29 @@ impl Context<'_> {
         let param = checked_mul(tr, t.param_bytes, w)?;
         // Gradients: reduce-scatter every micro-step to the g layout.
         if s.g != N {
-            self.push(&mut calls.reduce, Phase::GradReduce, Collective::ReduceScatter, level_of(s.g), grad)?;
+            self.push(&mut calls.reduce, Phase::GradReduce, Collective::ReduceScatter, level_of(s.g), grad, 0)?;
         }
         // t_syncg: accumulated gradients to the optimizer-state layout, by (g, os).
         let slice = grad / self.m;
         let (sg, ph) = (&mut calls.sync_grad, Phase::SyncGrad);
         match (s.g, s.os) {
-            (N, N) => self.push(sg, ph, Collective::AllReduce, Level::Global, grad)?,
+            (N, N) => self.push(sg, ph, Collective::AllReduce, Level::Global, grad, 0)?,
             (N, I) => {
-                self.push(sg, ph, Collective::ReduceScatter, Level::Intra, grad)?;
-                self.push(sg, ph, Collective::AllReduce, Level::Inter, slice)?;
+                self.push(sg, ph, Collective::ReduceScatter, Level::Intra, grad, 0)?;
+                self.push(sg, ph, Collective::AllReduce, Level::Inter, slice, 0)?;
             }
-            (N, G) => self.push(sg, ph, Collective::ReduceScatter, Level::Global, grad)?,
-            (I, I) => self.push(sg, ph, Collective::AllReduce, Level::Inter, slice)?,
-            (I, G) => self.push(sg, ph, Collective::ReduceScatter, Level::Inter, slice)?,
+            (N, G) => self.push(sg, ph, Collective::ReduceScatter, Level::Global, grad, 0)?,
+            (I, I) => self.push(sg, ph, Collective::AllReduce, Level::Inter, slice, 0)?,
+            (I, G) => self.push(sg, ph, Collective::ReduceScatter, Level::Inter, slice, 0)?,
             _ => {}
         }
         // t_syncp: updated trainable parameters back to the p layout, by (p, os).
         let (sp, ph) = (&mut calls.sync_param, Phase::SyncParam);
+        // p = N keeps the natural layout: the gathered blocks are copied out; I gathers into its shard in place
         match (s.p, s.os) {
-            (N, I) => self.push(sp, ph, Collective::AllGather, Level::Intra, param)?,
-            (N, G) => self.push(sp, ph, Collective::AllGather, Level::Global, param)?,
-            (I, G) => self.push(sp, ph, Collective::AllGather, Level::Inter, param / self.m)?,
+            (N, I) => self.push(sp, ph, Collective::AllGather, Level::Intra, param, param)?,
+            (N, G) => self.push(sp, ph, Collective::AllGather, Level::Global, param, param)?,
+            (I, G) => self.push(sp, ph, Collective::AllGather, Level::Inter, param / self.m, 0)?,
             _ => {}
         }
         Ok(calls)
@@ -213,6 +225,7 @@ impl Context<'_> {
                         r.payload_bytes = checked_add(r.payload_bytes, payload, "the bytes per step")?;
                         r.intra_bytes = checked_add(r.intra_bytes, traffic.intra_bytes, "the bytes per step")?;
                         r.inter_bytes = checked_add(r.inter_bytes, traffic.inter_bytes, "the bytes per step")?;
+                        r.unpacked_bytes = checked_add(r.unpacked_bytes, traffic.unpacked, "the bytes per step")?;
                         r.time_s += time;
                     }
                     None => rows.push(CollectiveCost {
@@ -223,6 +236,7 @@ impl Context<'_> {
                         payload_bytes: payload,
                         intra_bytes: traffic.intra_bytes,
                         inter_bytes: traffic.inter_bytes,
+                        unpacked_bytes: traffic.unpacked,
                         time_s: time,
                     }),
                 }
@@ -231,11 +245,21 @@ impl Context<'_> {
         Ok(rows)
     }
 
-    /// Adds a call on a buffer of `bytes` (a 1/m slice for the inter level) unless it moves nothing.
-    fn push(&self, calls: &mut Vec<Call>, phase: Phase, op: Collective, level: Level, bytes: u64) -> Result<()> {
+    /// Adds a call on a buffer of `bytes` (a 1/m slice for the inter level) whose output the rank then copies out
+    /// (`unpacked` bytes), unless it moves nothing (a level of one rank: the engine's local copy-out is then not
+    /// counted either).
+    fn push(
+        &self,
+        calls: &mut Vec<Call>,
+        phase: Phase,
+        op: Collective,
+        level: Level,
+        bytes: u64,
+        unpacked: u64,
+    ) -> Result<()> {
         let traffic = self.traffic(op, level, bytes)?;
         if !traffic.is_empty() {
-            calls.push(Call { phase, op, level, payload: bytes, traffic });
+            calls.push(Call { phase, op, level, payload: bytes, traffic: Traffic { unpacked, ..traffic } });
         }
         Ok(())
     }
