@@ -98,7 +98,7 @@ def _comm_seconds_table(table: list[dict[str, Any]]) -> list[str]:
     lines = [
         "",
         "Measured: seconds per step in each collective on the engine's communication threads (from call to return, "
-        "waits for late peers included; mean over ranks):",
+        "waits for late peers included; mean over ranks), and in the copy-outs after gathers (unpack local):",
         "",
         "| strategy | " + " | ".join(kinds) + " |",
         "|---|" + "---:|" * len(kinds),

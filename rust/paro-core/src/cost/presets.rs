@@ -99,8 +99,8 @@ impl GpuPreset {
             inter_reduce_scatter_bandwidth: None,
             intra_reduce_scatter_slowdown: None,
             inter_reduce_scatter_slowdown: None,
-            // the engine's copy-out after each parameter gather is not counted: the paper's system gathers in
-            // place (benchmarks/README.md, "The unshard's copy-out"); where paro runs, the link probe measures it
+            // the engine's copy-out after each parameter gather is left out: unmeasured on GPUs so far (where paro
+            // runs, the link probe measures it; benchmarks/README.md, "The unshard's copy-out")
             unpack_bandwidth: None,
             shared_cores: false,
         })
