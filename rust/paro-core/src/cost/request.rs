@@ -93,10 +93,10 @@ pub struct Cluster {
     /// See `intra_reduce_scatter_slowdown`, for inter-group communication.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub inter_reduce_scatter_slowdown: Option<f64>,
-    /// Bytes per second at which a rank copies a gathered parameter buffer out into the parameters' own storage,
-    /// which it allocates for the purpose (the engine's unshard re-grows storage freed at the last reshard; on the
-    /// CPU that faults fresh pages in). Without it the copy-out is free. Measured by the link probe
-    /// (`paro_torch.auto`) on the engine's own steps.
+    /// Bytes per second at which a rank copies a gathered parameter buffer out into the parameters' own storage
+    /// (the engine's unshard re-grows the storage it freed at the last reshard, which on the CPU may fault its
+    /// pages in again). Without it the copy-out is free. Measured by `paro_torch.auto.measure_unpack`: that
+    /// copy-out with every rank copying at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unpack_bandwidth: Option<f64>,
     /// Whether the ranks compute and run their collectives, on both levels, on the same CPU cores (CPU training;

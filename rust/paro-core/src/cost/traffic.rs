@@ -91,8 +91,8 @@ pub(super) struct Traffic {
     /// Bytes of reduce-scatters that move at the inter reduce-scatter bandwidth (B unless measured apart).
     pub scattered_inter: u64,
     /// Bytes the rank copies out of a gathered parameter buffer (blocked layout) into the parameters' natural
-    /// storage, which it allocates for the call (the unshard's storage, re-grown after each reshard, or t_syncp's
-    /// staging buffer): local work at the unpack bandwidth (`Cluster::unpack_bandwidth`), not traffic.
+    /// storage (the unshard's, re-grown after each reshard; at p = N t_syncp's, the parameters themselves): local
+    /// work at the unpack bandwidth (`Cluster::unpack_bandwidth`), not traffic.
     pub unpacked: u64,
 }
 
