@@ -186,11 +186,12 @@ def _mean_seconds(
     return max((time.perf_counter() - start) / runs, 1e-9)
 
 
-def _unpack_step(nbytes: int, device: torch.device, copies: int = 4) -> Callable[[], None]:
-    """``copies`` copy-outs of a gathered buffer of about ``nbytes``, as the engine's unshard makes them.
+def _unpack_step(nbytes: int, device: torch.device, copies: int = 4) -> tuple[Callable[[], None], int]:
+    """(``copies`` copy-outs of a gathered buffer of about ``nbytes``, the bytes they copy).
 
-    Each re-grows a freed storage (the unshard's ``full``), copies the gathered buffer into it and frees it again:
-    on the CPU the re-grown storage may fault its pages in again (benchmarks/README.md, "The unshard's copy-out").
+    As the engine's unshard makes them, each re-grows a freed storage (the unshard's ``full``), copies the gathered
+    buffer into it and frees it again: on the CPU the re-grown storage may fault its pages in again
+    (benchmarks/README.md, "The unshard's copy-out").
     """
     whole = torch.zeros(max(nbytes // 4, 1), device=device)
     full = torch.empty_like(whole)
@@ -205,7 +206,7 @@ def _unpack_step(nbytes: int, device: torch.device, copies: int = 4) -> Callable
             full.untyped_storage().resize_(0)
         sync()
 
-    return step
+    return step, copies * size
 
 
 def measure_unpack(groups: ParoGroups, nbytes: int = 16 << 20, repeats: int = 5, device: torch.device | None = None,
@@ -215,9 +216,9 @@ def measure_unpack(groups: ParoGroups, nbytes: int = 16 << 20, repeats: int = 5,
     Every rank copies at once with the ranks in step (``_mean_seconds``), as in training; all get the ranks' mean.
     """
     device = device or torch.device("cpu")
-    step = _unpack_step(nbytes, device, copies)
-    seconds = torch.tensor([_mean_seconds(step, repeats, groups.whole, device, min_s=0.5)], dtype=torch.float64)
-    return copies * (max(nbytes // 4, 1) * 4) / float(_ranks_mean(seconds.to(device), groups)[0])
+    step, copied = _unpack_step(nbytes, device, copies)
+    seconds = _mean_seconds(step, repeats, groups.whole, device, min_s=0.5)
+    return copied / float(_ranks_mean(torch.tensor([seconds], dtype=torch.float64, device=device), groups)[0])
 
 
 def _mlp_step(device: torch.device) -> tuple[Any, float]:

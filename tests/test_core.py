@@ -244,7 +244,8 @@ def test_copy_out_probe_regrows_copies_and_frees_like_the_unshard(monkeypatch: p
         grown.append(size)
         return resize(storage, size)
 
-    step = auto._unpack_step(4096, torch.device("cpu"), copies=3)
+    step, copied = auto._unpack_step(4096, torch.device("cpu"), copies=3)
+    assert copied == 3 * 4096
     monkeypatch.setattr(torch.UntypedStorage, "resize_", spy)
     step()
     assert grown == [4096, 0] * 3
