@@ -66,6 +66,9 @@ class LinkCalibration:
     (None: not measured, taken as ``intra_bandwidth``)."""
     inter_reduce_scatter_bandwidth: float | None = None
     """The same for inter-group reduce-scatters."""
+    inter_all_reduce_bandwidth: float | None = None
+    """Per-rank bandwidth of an all-reduce across groups (the engine's t_syncg with g = N, I and os = N, I), bytes/s
+    of the ring's 2(k - 1)/k of the buffer (None: not measured, taken as ``inter_bandwidth``)."""
     intra_reduce_scatter_slowdown: float | None = None
     """How much slower intra-group reduce-scatters run beside compute (None: not measured, taken as
     ``intra_slowdown``)."""
@@ -106,13 +109,16 @@ def _gather_buffers(pg: dist.ProcessGroup, nbytes: int, device: torch.device) ->
 
 
 def _collective(op: str, pg: dist.ProcessGroup, nbytes: int, device: torch.device) -> Callable[[], None]:
-    """One call of the engine's all-gather (``op`` "all_gather") or reduce-scatter ("reduce_scatter") over ``pg``.
+    """One call of the engine's ``op`` over ``pg``: "all_gather", "reduce_scatter" or "all_reduce".
 
-    On about ``nbytes`` (the gather's output, the scatter's input): each rank sends (k - 1)/k of it.
+    On about ``nbytes`` (the gather's output, the others' input): each rank sends (k - 1)/k of it, twice in an
+    all-reduce.
     """
     x, out = _gather_buffers(pg, nbytes, device)
     if op == "all_gather":
         return lambda: dist.all_gather_into_tensor(out, x, group=pg)
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(out, group=pg)
     ledger = Ledger()  # thrown away: the probe times the call itself
     return lambda: reduce_scatter(out, pg, ledger, "inter")
 
@@ -133,24 +139,32 @@ def _time_collective(op: str, pg: dist.ProcessGroup, nbytes: int, repeats: int, 
 
 
 def _level(
-    pg: dist.ProcessGroup | None, small: int, large: int, repeats: int, device: torch.device
-) -> tuple[float, float, float]:
-    """(bandwidth, latency, reduce-scatter bandwidth) of one level.
+    pg: dist.ProcessGroup | None, small: int, large: int, repeats: int, device: torch.device, all_reduce: bool = False
+) -> tuple[float, float, float, float | None]:
+    """(bandwidth, latency, reduce-scatter bandwidth, all-reduce bandwidth) of one level.
 
-    From two all-gather sizes, and a reduce-scatter of the larger one (its latency taken as the small gather's).
+    From two all-gather sizes, and a reduce-scatter of the larger one (its latency taken as the small gather's);
+    with ``all_reduce``, an all-reduce of the larger one too (its latency twice the small gather's; else None). The
+    engine's only large all-reduce is the inter-group one of t_syncg: on the emulated cluster's Gloo it moves its
+    bytes 1.12-1.23x as fast as an all-gather (benchmarks/README.md, "The all-reduce across groups").
     """
     if pg is None:
-        return _NO_LINK, 0.0, _NO_LINK
+        return _NO_LINK, 0.0, _NO_LINK, _NO_LINK if all_reduce else None
     k = dist.get_world_size(pg)
     t_small = _time_collective("all_gather", pg, small, repeats, device)
     t_large = _time_collective("all_gather", pg, large, repeats, device)
     t_scatter = _time_collective("reduce_scatter", pg, large, repeats, device)
     steps = k - 1
     per_rank_bytes = (large - small) * steps / k
+    reduce_bandwidth = None
+    if all_reduce:
+        t_reduce = _time_collective("all_reduce", pg, large, repeats, device)
+        reduce_bandwidth = 2 * per_rank_bytes / max(t_reduce - 2 * t_small, 1e-9)
     return (
         per_rank_bytes / max(t_large - t_small, 1e-9),
         t_small / steps,
         per_rank_bytes / max(t_scatter - t_small, 1e-9),
+        reduce_bandwidth,
     )
 
 
@@ -414,14 +428,15 @@ def _link_round(groups: ParoGroups, small: int, large: int, repeats: int, device
     """One round of the link probe, the same on every rank: both levels' figures, the ranks' pessimistic ones.
 
     ``[intra latency, inter latency, -intra bandwidth, -inter bandwidth, -intra reduce-scatter bandwidth, -inter
-    reduce-scatter bandwidth]`` (float64): the slowest rank's (max latency, min bandwidth; bandwidths negated so
-    that one MAX all-reduce takes both).
+    reduce-scatter bandwidth, -inter all-reduce bandwidth]`` (float64): the slowest rank's (max latency, min
+    bandwidth; bandwidths negated so that one MAX all-reduce takes both).
     """
     dist.barrier(group=groups.whole)  # every rank probes the same level at once, as in training
-    intra_bw, intra_lat, intra_rs = _level(groups.intra, small, large, repeats, device)
+    intra_bw, intra_lat, intra_rs, _ = _level(groups.intra, small, large, repeats, device)
     dist.barrier(group=groups.whole)
-    inter_bw, inter_lat, inter_rs = _level(groups.inter, small, large, repeats, device)
-    figures = [intra_lat, inter_lat, -intra_bw, -inter_bw, -intra_rs, -inter_rs]
+    inter_bw, inter_lat, inter_rs, inter_ar = _level(groups.inter, small, large, repeats, device, all_reduce=True)
+    assert inter_ar is not None
+    figures = [intra_lat, inter_lat, -intra_bw, -inter_bw, -intra_rs, -inter_rs, -inter_ar]
     t = torch.tensor(figures, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups.whole)
     return t
@@ -464,6 +479,7 @@ def measure_links(
         inter_latency=float(t[1]),
         intra_reduce_scatter_bandwidth=float(-t[4]),
         inter_reduce_scatter_bandwidth=float(-t[5]),
+        inter_all_reduce_bandwidth=float(-t[6]),
         unpack_bandwidth=measure_unpack(groups, large, repeats, device),
     )
     if not throughputs:
@@ -673,7 +689,7 @@ def _request(
     }
     figures = ("overlap", "slowdown", "reduce_scatter_bandwidth", "reduce_scatter_slowdown")
     measured = [f"{level}_{figure}" for figure in figures for level in ("intra", "inter")]
-    for name in ("optimizer_params_per_s", "unpack_bandwidth", *measured):
+    for name in ("optimizer_params_per_s", "unpack_bandwidth", "inter_all_reduce_bandwidth", *measured):
         if getattr(links, name) is not None:
             cluster[name] = getattr(links, name)
     training = dict(training)

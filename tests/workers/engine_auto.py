@@ -39,12 +39,13 @@ def main() -> None:
     assert links.intra_bandwidth > 0 and links.inter_bandwidth > 0, links
     # the engine's own reduce-scatter, timed apart (on Gloo an all-to-all and a sum: not the all-gather's speed)
     assert links.intra_reduce_scatter_bandwidth and links.inter_reduce_scatter_bandwidth, links
+    assert links.inter_all_reduce_bandwidth and links.inter_all_reduce_bandwidth > 0, links  # t_syncg's, apart
     assert links.intra_reduce_scatter_slowdown and links.intra_reduce_scatter_slowdown >= 1, links
     assert links.inter_reduce_scatter_slowdown and links.inter_reduce_scatter_slowdown >= 1, links
     assert links.compute_flops and links.compute_flops > 1e8 and links.optimizer_params_per_s, links
     figures = [links.intra_latency, links.inter_latency, links.intra_bandwidth, links.inter_bandwidth,
                links.compute_flops, links.optimizer_params_per_s, links.intra_reduce_scatter_bandwidth,
-               links.inter_reduce_scatter_bandwidth]  # fmt: skip
+               links.inter_reduce_scatter_bandwidth, links.inter_all_reduce_bandwidth]  # fmt: skip
     # the overlap probe's loops are recorded (every level and collective) and give back its figures
     assert links.overlap_loops is not None and len(links.overlap_loops) == 4, links
     derived = overlaps_from_loops(links, groups)
@@ -152,19 +153,22 @@ def main() -> None:
     # each link figure is the median over rounds of the slowest rank's (the levels scripted: round r, rank k)
     levels_called: list[object] = []
 
-    def scripted(pg: object, *_: object) -> tuple[float, float, float]:
+    def scripted(pg: object, *_: object, all_reduce: bool = False) -> tuple[float, float, float, float | None]:
         r, level = len(levels_called) // 2, (1.0 if pg is groups.intra else 2.0)
-        levels_called.append(pg)
+        levels_called.append((pg, all_reduce))
         bandwidth = level * [300.0, 100.0, 200.0][r] + rank  # the lowest: rank 0's
-        return bandwidth, level * [3.0, 1.0, 2.0][r] / (1 + rank), 10 * bandwidth  # latency: rank 0's highest
+        # latency: rank 0's highest; the all-reduce probed across groups only
+        latency = level * [3.0, 1.0, 2.0][r] / (1 + rank)
+        return bandwidth, latency, 10 * bandwidth, 20 * bandwidth if all_reduce else None
 
     real_level, paro_torch.auto._level = paro_torch.auto._level, scripted
     rounds = measure_links(groups, throughputs=False, rounds=3)
     paro_torch.auto._level = real_level
-    assert levels_called == [groups.intra, groups.inter] * 3, levels_called
+    assert levels_called == [(groups.intra, False), (groups.inter, True)] * 3, levels_called
     assert (rounds.intra_bandwidth, rounds.inter_bandwidth) == (200.0, 400.0), rounds
     assert (rounds.intra_latency, rounds.inter_latency) == (2.0, 4.0), rounds
     assert (rounds.intra_reduce_scatter_bandwidth, rounds.inter_reduce_scatter_bandwidth) == (2000.0, 4000.0)
+    assert rounds.inter_all_reduce_bandwidth == 8000.0, rounds
     try:
         measure_links(groups, rounds=0)
     except ValueError as e:

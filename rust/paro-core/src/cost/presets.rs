@@ -97,6 +97,7 @@ impl GpuPreset {
             inter_slowdown: None,
             intra_reduce_scatter_bandwidth: None,
             inter_reduce_scatter_bandwidth: None,
+            inter_all_reduce_bandwidth: None,
             intra_reduce_scatter_slowdown: None,
             inter_reduce_scatter_slowdown: None,
             // the engine's copy-out after each parameter gather is left out: unmeasured on GPUs so far (where paro

@@ -86,6 +86,11 @@ pub struct Cluster {
     /// See `intra_reduce_scatter_bandwidth`, for inter-group communication.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub inter_reduce_scatter_bandwidth: Option<f64>,
+    /// Inter-group bandwidth of an all-reduce, bytes per second per rank (of the ring's 2(k − 1)/k of the buffer),
+    /// where it differs from an all-gather's (`inter_bandwidth`, the default): the engine's t_syncg all-reduce
+    /// across groups (g = N, I with os = N, I). Measured by the link probe on an all-reduce across groups.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inter_all_reduce_bandwidth: Option<f64>,
     /// How much slower an intra-group reduce-scatter runs beside compute, at least 1 (default `intra_slowdown`).
     /// Measured by the overlap probe with the engine's reduce-scatter in place of the all-gather.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -207,6 +212,7 @@ pub(super) fn validate_cluster(c: &Cluster) -> Result<()> {
         ("optimizer_params_per_s", c.optimizer_params_per_s),
         ("intra_reduce_scatter_bandwidth", c.intra_reduce_scatter_bandwidth),
         ("inter_reduce_scatter_bandwidth", c.inter_reduce_scatter_bandwidth),
+        ("inter_all_reduce_bandwidth", c.inter_all_reduce_bandwidth),
         ("unpack_bandwidth", c.unpack_bandwidth),
     ] {
         if let Some(v) = v {

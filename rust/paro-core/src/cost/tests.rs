@@ -29,6 +29,7 @@ fn cluster(world: usize) -> Cluster {
         inter_slowdown: None,
         intra_reduce_scatter_bandwidth: None,
         inter_reduce_scatter_bandwidth: None,
+        inter_all_reduce_bandwidth: None,
         intra_reduce_scatter_slowdown: None,
         inter_reduce_scatter_slowdown: None,
         unpack_bandwidth: None,
@@ -160,6 +161,7 @@ fn exact_bytes_and_time_of_one_iig_step() {
             inter_slowdown: None,
             intra_reduce_scatter_bandwidth: None,
             inter_reduce_scatter_bandwidth: None,
+            inter_all_reduce_bandwidth: None,
             intra_reduce_scatter_slowdown: None,
             inter_reduce_scatter_slowdown: None,
             unpack_bandwidth: None,
@@ -412,6 +414,7 @@ fn the_schedule_of_a_ddp_step_by_hand() {
         inter_slowdown: None,
         intra_reduce_scatter_bandwidth: None,
         inter_reduce_scatter_bandwidth: None,
+        inter_all_reduce_bandwidth: None,
         intra_reduce_scatter_slowdown: None,
         inter_reduce_scatter_slowdown: None,
         unpack_bandwidth: None,
@@ -839,4 +842,34 @@ proptest! {
         req.training.seq_len = seq;
         let _ = estimate(&req);
     }
+}
+
+#[test]
+fn an_inter_group_all_reduce_runs_at_its_own_bandwidth() {
+    // NII on 2 groups of 2: t_syncg all-reduces each group's half of the gradients across the groups. Unit (8, 8)
+    // in bf16: 16 bytes of gradients, an 8-byte half, of which each rank sends 2(k − 1)/k = 8 bytes, 8 s at
+    // 1 byte/s. At 4 bytes/s for all-reduces alone it takes 2 s; the other calls keep their times.
+    let mut req = request(blocks(&[(8, 8)]), None, Cluster { world: 4, group_size: 2, ..cluster(4) });
+    (req.cluster.inter_bandwidth, req.cluster.inter_latency) = (1.0, 0.0);
+    (req.training.grad_accum, req.strategies) = (1, Some(vec!["NII".into(), "NIG".into()]));
+    let times = |req: &Request| {
+        let report = estimate(req).unwrap();
+        let by_op = |code, op| -> f64 {
+            let e = find(&report, code);
+            e.collectives.iter().filter(|c| c.op == op && c.level == Level::Inter).map(|c| c.time_s).sum()
+        };
+        (
+            by_op("NII", Collective::AllReduce),
+            by_op("NIG", Collective::ReduceScatter),
+            by_op("NIG", Collective::AllGather),
+        )
+    };
+    let (all_reduce, scatter, gather) = times(&req);
+    assert_eq!(all_reduce, 8.0);
+    req.cluster.inter_all_reduce_bandwidth = Some(4.0);
+    assert_eq!(times(&req), (2.0, scatter, gather));
+    let e = find(&estimate(&req).unwrap(), "NII").clone();
+    assert_eq!(e.collectives.iter().filter(|c| c.op == Collective::AllReduce).map(|c| c.inter_bytes).sum::<u64>(), 8);
+    req.cluster.inter_all_reduce_bandwidth = Some(-1.0);
+    assert!(estimate(&req).unwrap_err().to_string().contains("inter_all_reduce_bandwidth -1 must be a positive"));
 }

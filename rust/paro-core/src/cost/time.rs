@@ -20,7 +20,8 @@ pub(super) struct UnitFlops {
 
 impl Context<'_> {
     /// Seconds of the intra-group and the inter-group part of some traffic, alone or (`beside_compute`) while
-    /// compute runs on the rank: each level's slowdown stretches its part, the reduce-scatter's its bytes.
+    /// compute runs on the rank: each level's slowdown stretches its part (an inter all-reduce's bytes at their own bandwidth), the
+    /// reduce-scatter's slowdown its bytes.
     pub(super) fn level_seconds(&self, t: &Traffic, beside_compute: bool) -> (f64, f64) {
         let c = &self.req.cluster;
         // (the level's slowdown, its reduce-scatters') beside compute; 1 alone
@@ -32,10 +33,14 @@ impl Context<'_> {
         let (inter, inter_scatter) = slowdowns(c.inter_slowdown, c.inter_reduce_scatter_slowdown);
         let intra_scatter_bandwidth = c.intra_reduce_scatter_bandwidth.unwrap_or(c.intra_bandwidth);
         let inter_scatter_bandwidth = c.inter_reduce_scatter_bandwidth.unwrap_or(c.inter_bandwidth);
+        let inter_reduce_bandwidth = c.inter_all_reduce_bandwidth.unwrap_or(c.inter_bandwidth);
         (
             intra * (t.intra_hops as f64 * c.intra_latency + t.timed_intra as f64 / c.intra_bandwidth)
                 + intra_scatter * t.scattered_intra as f64 / intra_scatter_bandwidth,
-            inter * (t.inter_hops as f64 * c.inter_latency + t.timed_inter as f64 / c.inter_bandwidth)
+            inter
+                * (t.inter_hops as f64 * c.inter_latency
+                    + t.timed_inter as f64 / c.inter_bandwidth
+                    + t.reduced_inter as f64 / inter_reduce_bandwidth)
                 + inter_scatter * t.scattered_inter as f64 / inter_scatter_bandwidth,
         )
     }

@@ -90,6 +90,9 @@ pub(super) struct Traffic {
     pub scattered_intra: u64,
     /// Bytes of reduce-scatters that move at the inter reduce-scatter bandwidth (B unless measured apart).
     pub scattered_inter: u64,
+    /// Bytes of all-reduces that move at the inter all-reduce bandwidth (B unless measured apart). The engine's
+    /// only large all-reduce is across groups (t_syncg with g = N, I and os = N, I).
+    pub reduced_inter: u64,
     /// Bytes the rank copies out of a gathered parameter buffer (blocked layout) into the parameters' natural
     /// storage (the unshard's, re-grown after each reshard; at p = N t_syncp's, the parameters themselves): local
     /// work at the unpack bandwidth (`Cluster::unpack_bandwidth`), not traffic.
@@ -108,6 +111,7 @@ impl Traffic {
             timed_inter: checked_add(self.timed_inter, o.timed_inter, w)?,
             scattered_intra: checked_add(self.scattered_intra, o.scattered_intra, w)?,
             scattered_inter: checked_add(self.scattered_inter, o.scattered_inter, w)?,
+            reduced_inter: checked_add(self.reduced_inter, o.reduced_inter, w)?,
             unpacked: checked_add(self.unpacked, o.unpacked, w)?,
         })
     }
@@ -123,6 +127,7 @@ impl Traffic {
             timed_inter: checked_mul(self.timed_inter, k, w)?,
             scattered_intra: checked_mul(self.scattered_intra, k, w)?,
             scattered_inter: checked_mul(self.scattered_inter, k, w)?,
+            reduced_inter: checked_mul(self.reduced_inter, k, w)?,
             unpacked: checked_mul(self.unpacked, k, w)?,
         })
     }
@@ -266,7 +271,8 @@ impl Context<'_> {
 
     /// Bytes and ring steps of one call.
     fn traffic(&self, op: Collective, level: Level, x: u64) -> Result<Traffic> {
-        // a reduce-scatter's bytes are timed at the level's reduce-scatter bandwidth
+        // a reduce-scatter's bytes are timed at the level's reduce-scatter bandwidth, an inter all-reduce's at the
+        // inter all-reduce bandwidth
         let scatters = |op| op == Collective::ReduceScatter;
         let intra = |op, x| -> Result<Traffic> {
             let (bytes, hops) = ring(op, self.m, x)?;
@@ -275,8 +281,12 @@ impl Context<'_> {
         };
         let inter = |op, x| -> Result<Traffic> {
             let (bytes, hops) = ring(op, self.g, x)?;
-            let (timed_inter, scattered_inter) = if scatters(op) { (0, bytes) } else { (bytes, 0) };
-            Ok(Traffic { inter_bytes: bytes, inter_hops: hops, timed_inter, scattered_inter, ..Traffic::default() })
+            let t = Traffic { inter_bytes: bytes, inter_hops: hops, ..Traffic::default() };
+            Ok(match op {
+                Collective::ReduceScatter => Traffic { scattered_inter: bytes, ..t },
+                Collective::AllReduce => Traffic { reduced_inter: bytes, ..t },
+                _ => Traffic { timed_inter: bytes, ..t },
+            })
         };
         match level {
             Level::Intra => intra(op, x),
