@@ -20,8 +20,8 @@ pub(super) struct UnitFlops {
 
 impl Context<'_> {
     /// Seconds of the intra-group and the inter-group part of some traffic, alone or (`beside_compute`) while
-    /// compute runs on the rank: each level's slowdown stretches its part (an inter all-reduce's bytes at their own bandwidth), the
-    /// reduce-scatter's slowdown its bytes.
+    /// compute runs on the rank: each level's slowdown stretches its part (an inter all-reduce's bytes at their own
+    /// bandwidth), the reduce-scatter's slowdown its bytes.
     pub(super) fn level_seconds(&self, t: &Traffic, beside_compute: bool) -> (f64, f64) {
         let c = &self.req.cluster;
         // (the level's slowdown, its reduce-scatters') beside compute; 1 alone
