@@ -3,7 +3,9 @@
 //! Each micro-step runs the units' forwards in order, then their backwards in reverse, on the compute stream. A
 //! unit's parameters are gathered before its forward and again before its backward; the engine prefetches the
 //! next unit's gather while the current one computes, with at most two units unsharded (the gather of unit u+1
-//! waits for the compute of unit u−1; [`IssuePolicy`], which the engine follows too). After a unit's backward
+//! waits for the compute of unit u−1; [`IssuePolicy`], which the engine follows too). Where parameters are sharded,
+//! the ranks agree after each forward on the units backward will gather (a small all-reduce of flags over all
+//! ranks, on the gather lane, before backward's first gather). After a unit's backward
 //! its gradients are reduced (g ≠ N); at the last micro-step t_syncg follows. The optimizer step waits for every
 //! reduction and the boundary's small blocking all-reduces (the ranks' flags; with clipping, the gradients' norm),
 //! and the next micro-step waits for its reductions (the engine's backward returns once they are done). t_syncp
@@ -296,7 +298,13 @@ impl Context<'_> {
             let last_forward = forward.last().copied();
             let mut backward: Vec<Option<usize>> = vec![None; units];
             let mut reductions = Vec::new();
-            let mut ready = chain(&mut sim, &calls[units - 1].gather, None, last_forward);
+            // p = I, G: the ranks agree on the units backward will gather (a small all-reduce of flags over all
+            // ranks on the gather lane, after the forward), and the last unit's gather for backward follows it
+            let agreed = (s.p != Granularity::N).then(|| {
+                let seconds = self.small_all_reduce_seconds(Level::Global);
+                sim.run(&[1, 2], seconds, &[last_forward], Some(Level::Global))
+            });
+            let mut ready = chain(&mut sim, &calls[units - 1].gather, agreed, last_forward);
             for u in (0..units).rev() {
                 let next = if u > 0 {
                     // the reverse pass's position of unit u-1 is units-u; the unit freeing memory for it, in

@@ -873,3 +873,21 @@ fn an_inter_group_all_reduce_runs_at_its_own_bandwidth() {
     req.cluster.inter_all_reduce_bandwidth = Some(-1.0);
     assert!(estimate(&req).unwrap_err().to_string().contains("inter_all_reduce_bandwidth -1 must be a positive"));
 }
+
+#[test]
+fn sharded_parameters_agree_on_backward_s_gathers_before_it() {
+    // GGG on one group of 2 at 1 byte/s and 1 s per ring step, 1 FLOP/s, units (10, 10) in bf16: each gather and
+    // reduce-scatter sends 10 bytes in 1 step, 11 s. Gathers 0–11 and 11–22; forward 11–31 and 31–51; the ranks
+    // agree on the units backward gathers (2 ring steps) 51–53; unit 1's gather 53–64, unit 0's 64–75; backward
+    // 64–104 and 104–144; the reduce-scatters 104–115 and 144–155; the boundary's flags 155–157; the optimizer on
+    // the 10-parameter shard 157–167.
+    let mut req = request(blocks(&[(10, 10), (10, 10)]), None, Cluster { world: 2, group_size: 2, ..cluster(2) });
+    (req.cluster.intra_bandwidth, req.cluster.intra_latency) = (1.0, 1.0);
+    (req.cluster.compute_flops, req.cluster.optimizer_params_per_s) = (Some(1.0), Some(1.0));
+    (req.training.micro_batch, req.training.seq_len, req.training.activation_checkpointing) = (1, 1, false);
+    (req.training.grad_accum, req.strategies) = (1, Some(vec!["GGG".into()]));
+    assert_eq!(find(&estimate(&req).unwrap(), "GGG").step.step_s, 167.0);
+    // without latency the agreement costs nothing: every call 10 s, the step 160 s
+    req.cluster.intra_latency = 0.0;
+    assert_eq!(find(&estimate(&req).unwrap(), "GGG").step.step_s, 160.0);
+}
