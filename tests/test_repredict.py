@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # an interleaved LoRA run at 2 x 2 / 1 Gbit/s (auto and three strategies), recorded by the cost model and the probe as
-# they are now (2a71b1a): every paro cell and auto's pick must come out as recorded, the overlap figures derived again
+# they are now (96d1e01): every paro cell and auto's pick must come out as recorded, the overlap figures derived again
 # from the probe's recorded loops. A change to the model or the probe records it again (as root, ~4 min):
 #   python3 benchmarks/training.py --nodes 2 --per-node 2 --rate 1gbit --scenarios lora \
 #     --only 'paro:auto,paro:NNN,paro:IIG,paro:NGG' --interleave --repeats 1 --steps 8 --suffix rec
