@@ -461,6 +461,17 @@ fn the_schedule_of_a_ddp_step_by_hand() {
     assert!(estimate(&req).unwrap_err().to_string().contains("inter_overlap 1.5 must be a fraction"));
 }
 
+/// The hand-timed steps' request: `code` on one group of 2 ranks, two units of 10 trainable parameters, 1 byte/s
+/// within the group and no latency, 1 FLOP/s, 1 parameter/s for the optimizer, one micro-step of one token.
+fn hand_timed(code: &str) -> Request {
+    let mut req = request(blocks(&[(10, 10), (10, 10)]), None, Cluster { world: 2, group_size: 2, ..cluster(2) });
+    (req.cluster.intra_bandwidth, req.cluster.intra_latency) = (1.0, 0.0);
+    (req.cluster.compute_flops, req.cluster.optimizer_params_per_s) = (Some(1.0), Some(1.0));
+    (req.training.micro_batch, req.training.seq_len, req.training.activation_checkpointing) = (1, 1, false);
+    (req.training.grad_accum, req.strategies) = (1, Some(vec![code.into()]));
+    req
+}
+
 #[test]
 fn reduce_scatters_move_at_their_own_measured_speed() {
     // The hand-timed DDP cluster above under NGG (one group: its global calls run within it). Per unit: t_syncp,
@@ -468,12 +479,7 @@ fn reduce_scatters_move_at_their_own_measured_speed() {
     // the optimizer on 10 parameters (10 s). Unit 0's t_syncp 0–10, forward 10–30 and 30–50 (unit 1's t_syncp
     // behind unit 0's forward), backward 50–90 and 90–130, unit 1's reduce-scatter behind the latter, unit 0's
     // 130–140, the optimizer 140–150.
-    let mut req = request(blocks(&[(10, 10), (10, 10)]), None, Cluster { world: 2, group_size: 2, ..cluster(2) });
-    (req.cluster.intra_bandwidth, req.cluster.intra_latency) = (1.0, 0.0);
-    (req.cluster.compute_flops, req.cluster.optimizer_params_per_s) = (Some(1.0), Some(1.0));
-    req.strategies = Some(vec!["NGG".into()]);
-    (req.training.micro_batch, req.training.seq_len, req.training.activation_checkpointing) = (1, 1, false);
-    req.training.grad_accum = 1;
+    let mut req = hand_timed("NGG");
     let step = |req: &Request| {
         let e = find(&estimate(req).unwrap(), "NGG").clone();
         let time = |op| e.collectives.iter().find(|c| c.op == op).unwrap().time_s;
@@ -509,11 +515,7 @@ fn the_copy_out_of_a_gather_runs_at_the_unpack_bandwidth() {
     // of blocks and copies them out into the natural layout, 10 s at 2 bytes/s. Unit 0's t_syncp 0–20 (10 s on
     // the link, 10 s copying), forward 20–40 with unit 1's t_syncp behind it, forward 40–60, backward 60–100 and
     // 100–140, unit 1's reduce-scatter behind the latter, unit 0's 140–150, the optimizer 150–160.
-    let mut req = request(blocks(&[(10, 10), (10, 10)]), None, Cluster { world: 2, group_size: 2, ..cluster(2) });
-    (req.cluster.intra_bandwidth, req.cluster.intra_latency) = (1.0, 0.0);
-    (req.cluster.compute_flops, req.cluster.optimizer_params_per_s) = (Some(1.0), Some(1.0));
-    (req.training.micro_batch, req.training.seq_len, req.training.activation_checkpointing) = (1, 1, false);
-    (req.training.grad_accum, req.strategies) = (1, Some(vec!["NGG".into()]));
+    let mut req = hand_timed("NGG");
     req.cluster.unpack_bandwidth = Some(2.0);
     let e = find(&estimate(&req).unwrap(), "NGG").clone();
     let gather = e.collectives.iter().find(|c| c.op == Collective::AllGather).unwrap();
@@ -881,11 +883,8 @@ fn sharded_parameters_agree_on_backward_s_gathers_before_it() {
     // agree on the units backward gathers (2 ring steps) 51–53; unit 1's gather 53–64, unit 0's 64–75; backward
     // 64–104 and 104–144; the reduce-scatters 104–115 and 144–155; the boundary's flags 155–157; the optimizer on
     // the 10-parameter shard 157–167.
-    let mut req = request(blocks(&[(10, 10), (10, 10)]), None, Cluster { world: 2, group_size: 2, ..cluster(2) });
-    (req.cluster.intra_bandwidth, req.cluster.intra_latency) = (1.0, 1.0);
-    (req.cluster.compute_flops, req.cluster.optimizer_params_per_s) = (Some(1.0), Some(1.0));
-    (req.training.micro_batch, req.training.seq_len, req.training.activation_checkpointing) = (1, 1, false);
-    (req.training.grad_accum, req.strategies) = (1, Some(vec!["GGG".into()]));
+    let mut req = hand_timed("GGG");
+    req.cluster.intra_latency = 1.0;
     assert_eq!(find(&estimate(&req).unwrap(), "GGG").step.step_s, 167.0);
     // without latency the agreement costs nothing: every call 10 s, the step 160 s
     req.cluster.intra_latency = 0.0;
