@@ -104,6 +104,16 @@ impl Sim {
         self.run(&[0], seconds, deps, None)
     }
 
+    /// Records a collective at `level`: on its level's links, a global one on both.
+    fn collective(&mut self, level: Level, seconds: f64, deps: &[Option<usize>]) -> usize {
+        let slots: &'static [usize] = match level {
+            Level::Intra => &[1],
+            Level::Inter => &[2],
+            Level::Global => &[1, 2],
+        };
+        self.run(slots, seconds, deps, Some(level))
+    }
+
     /// Runs every task: each slot takes its tasks in issue order, a task starts when it is first in each of its
     /// slots' queues and its dependencies have finished, and runs at the rates of the module's rate model. Returns
     /// the step's exposed communication by level and interference (in `StepTime`) and when the compute stream ends
@@ -244,15 +254,10 @@ impl Context<'_> {
         let chain = |sim: &mut Sim, list: &[Call], first: Option<usize>, memory: Option<usize>| {
             let mut last = first;
             for c in list {
-                let slots: &'static [usize] = match c.level {
-                    Level::Intra => &[1],
-                    Level::Inter => &[2],
-                    Level::Global => &[1, 2],
-                };
                 let (intra, inter) = self.level_seconds(&c.traffic, false);
                 let unpack = self.unpack_seconds(&c.traffic);
                 let seconds = self.joined(c, intra, inter) + unpack; // call_seconds, from the parts
-                let task = sim.run(slots, seconds, &[last, memory], Some(c.level));
+                let task = sim.collective(c.level, seconds, &[last, memory]);
                 // a call on both levels (pipelined, in a row or, for a flat call, timed on the inter level alone):
                 // its levels' slowdowns stretch their parts, and compute loses their overlaps' average by time;
                 // the copy-out is local work, priced as the intra level's (unslowed)
@@ -300,10 +305,8 @@ impl Context<'_> {
             let mut reductions = Vec::new();
             // p = I, G: the ranks agree on the units backward will gather (a small all-reduce of flags over all
             // ranks on the gather lane, after the forward), and the last unit's gather for backward follows it
-            let agreed = (s.p != Granularity::N).then(|| {
-                let seconds = self.small_all_reduce_seconds(Level::Global);
-                sim.run(&[1, 2], seconds, &[last_forward], Some(Level::Global))
-            });
+            let agreed = (s.p != Granularity::N)
+                .then(|| sim.collective(Level::Global, self.small_all_reduce_seconds(Level::Global), &[last_forward]));
             let mut ready = chain(&mut sim, &calls[units - 1].gather, agreed, last_forward);
             for u in (0..units).rev() {
                 let next = if u > 0 {
@@ -334,15 +337,14 @@ impl Context<'_> {
         }
         // the boundary's small all-reduces, blocking, after every reduction: the ranks' flags (which gradients
         // exist, on the engine's world group) and, with clipping, the norm over the ranks that shard the os
-        let mut last = sim.run(&[1, 2], self.small_all_reduce_seconds(Level::Global), &boundary, Some(Level::Global));
+        let mut last = sim.collective(Level::Global, self.small_all_reduce_seconds(Level::Global), &boundary);
         let norm_level = match s.os {
             Granularity::N => None,
             Granularity::I => Some(Level::Intra),
             Granularity::G => Some(Level::Global),
         };
         if let Some(level) = norm_level.filter(|_| self.req.training.clip_grad_norm) {
-            let slots: &'static [usize] = if level == Level::Intra { &[1] } else { &[1, 2] };
-            last = sim.run(slots, self.small_all_reduce_seconds(level), &[Some(last)], Some(level));
+            last = sim.collective(level, self.small_all_reduce_seconds(level), &[Some(last)]);
         }
         let shard: u64 = self.sizes(s).iter().map(|&(tr, _)| tr).sum::<u64>() / self.degree(s.os);
         let optimizer_s = self.optimizer_seconds(shard);

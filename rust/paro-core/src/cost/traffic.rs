@@ -273,11 +273,13 @@ impl Context<'_> {
     fn traffic(&self, op: Collective, level: Level, x: u64) -> Result<Traffic> {
         // a reduce-scatter's bytes are timed at the level's reduce-scatter bandwidth, an inter all-reduce's at the
         // inter all-reduce bandwidth
-        let scatters = |op| op == Collective::ReduceScatter;
         let intra = |op, x| -> Result<Traffic> {
             let (bytes, hops) = ring(op, self.m, x)?;
-            let (timed_intra, scattered_intra) = if scatters(op) { (0, bytes) } else { (bytes, 0) };
-            Ok(Traffic { intra_bytes: bytes, intra_hops: hops, timed_intra, scattered_intra, ..Traffic::default() })
+            let t = Traffic { intra_bytes: bytes, intra_hops: hops, ..Traffic::default() };
+            Ok(match op {
+                Collective::ReduceScatter => Traffic { scattered_intra: bytes, ..t },
+                _ => Traffic { timed_intra: bytes, ..t },
+            })
         };
         let inter = |op, x| -> Result<Traffic> {
             let (bytes, hops) = ring(op, self.g, x)?;
