@@ -25,9 +25,10 @@ from typing import Any
 import torch
 
 from paro_torch import auto
+from paro_torch._engine.planning import cost_blocks
+from paro_torch._engine.units import assign_units
 from paro_torch.api import Precision
 from paro_torch.auto import LinkCalibration
-from paro_torch.sharded_module import _assign_units, _cost_blocks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _training_worker import apply_scenario, build_model, decoder_layer_class  # noqa: E402
@@ -45,7 +46,7 @@ def blocks_of(cfg: dict[str, Any], scenario: str, groups: _Shape) -> list[dict[s
     """The cost model's units for the benchmark's model in ``scenario`` (built on the meta device)."""
     with torch.device("meta"):
         model, _ = apply_scenario(build_model(cfg), dict(cfg, scenario=scenario))
-    return _cost_blocks([a[1] for a in _assign_units(model, {decoder_layer_class()})], groups)
+    return cost_blocks([a[1] for a in assign_units(model, {decoder_layer_class()})], groups)
 
 
 def estimate(

@@ -1,7 +1,7 @@
 """Where the engine's communication runs: a thread per lane on the CPU, a stream per lane on CUDA.
 
 [Note: lanes] The engine issues gathers (and t_syncp) on one lane and reductions (and t_syncg) on another, each in
-one fixed order on every rank (see [Note: communication threads] in sharded_module.py). ``submit`` queues a call
+one fixed order on every rank (see [Note: communication lanes] in _engine/gathers.py). ``submit`` queues a call
 and returns a handle whose ``result()`` orders the caller after it:
 
 - CPU (``ThreadLane``): the call runs on a thread of its own; ``result()`` waits for it. Gloo collectives block

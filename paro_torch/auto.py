@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from paro_torch import _C
-from paro_torch._flat import Ledger, reduce_scatter
+from paro_torch._engine.collectives import Ledger, reduce_scatter
 from paro_torch._groups import ParoGroups, build_groups
 
 logger = logging.getLogger("paro_torch")

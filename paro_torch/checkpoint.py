@@ -52,7 +52,7 @@ def _model_entries(model: ParoShardedModule, buffers: dict[str, torch.Tensor]) -
 
 def _module_buffers(model: ParoShardedModule) -> dict[str, torch.Tensor]:
     """The wrapped module's persistent buffers (e.g. BatchNorm statistics): the tensors themselves, to load into."""
-    names = model._param_names
+    names = model._engine.param_names
     return {k: v for k, v in model.module.state_dict(keep_vars=True).items() if torch.is_tensor(v) and k not in names}
 
 

@@ -162,7 +162,7 @@ def check_variant(variant: str, strategies: list[str], groups: ParoGroups) -> No
         if model.strategy.p != "N":  # the second block's parameters were gathered while the first computed
             assert model.prefetches >= STEPS * ACCUM - 1, model.prefetches
         else:  # after each optimizer step, every block's t_syncp was queued ahead of its forward (root: at once)
-            trained = sum(any(b.trainable for b in u.buffers) for u in model._units[:-1])
+            trained = sum(any(b.trainable for b in u.buffers) for u in model._engine.units[:-1])
             boundaries = STEPS * (ACCUM if variant == "syncall" else 1)  # each is followed by a t_syncp
             assert model.prefetches == (boundaries - 1) * trained, (code, variant, model.prefetches, trained)
         # every trainable buffer's boundary sync was queued during backward, not after it

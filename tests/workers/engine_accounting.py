@@ -80,7 +80,12 @@ def main() -> None:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             step(model, opt, rank)  # warm-up: creates optimizer states
             # both sets of the engine's groups (gathers, reductions): the paro backend measures their bytes
-            levels = [pg for gs in (model.groups, model._rgroups) for pg in (gs.intra, gs.inter) if pg is not None]
+            levels = [
+                pg
+                for gs in (model.groups, model._engine.comms.reduce_groups)
+                for pg in (gs.intra, gs.inter)
+                if pg is not None
+            ]
             for pg in levels:
                 paro_torch.reset_comm_stats(pg)
             model.reset_comm_bytes()

@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-import paro_torch.sharded_module as engine
+import paro_torch._engine.init as engine_init
 from paro_torch import ParoShardedModule
 from paro_torch._groups import ParoGroups, build_groups
 from paro_torch.checkpoint import load_checkpoint, save_checkpoint
@@ -193,8 +193,8 @@ def after_step(case: str, step: int, model: Tiny) -> None:
             model.shift.mul_(2)
 
 
-# Buffer broadcasts per step in training (see [Note: buffer broadcast] in paro_torch/sharded_module.py): all buffers
-# in the first step, then those some rank changed in the step before (BatchNorm's: every forward).
+# Buffer broadcasts per step in training (see [Note: buffer broadcast] in paro_torch/_engine/buffer_sync.py): all
+# buffers in the first step, then those some rank changed in the step before (BatchNorm's: every forward).
 BROADCASTS = {
     "seeds": [ACCUM, 0, 0, 0],
     "buffer_changes": [ACCUM, 0, 0, ACCUM],  # changed after step 1, noticed in step 2, broadcast in step 3
@@ -293,19 +293,20 @@ def train_paro(case: str, code: str, data: list, groups: ParoGroups) -> ParoShar
     late = set_checkpoint_early_stop(False) if case == "ckpt_nonreentrant_late" else contextlib.nullcontext()
     local = slice(rank * BATCH, (rank + 1) * BATCH)
     if case == "inference_first":
-        model._gathers, model._reducer = InlineLane(), InlineLane()
+        engine = model._engine
+        engine.schedule.lane = engine.reducer.lane = InlineLane()  # type: ignore[assignment]
         with torch.inference_mode():
             model(data[0][0][0][local])
     broadcasts: list[int] = []
-    real_broadcast = engine._broadcast_from_rank0
+    real_broadcast = engine_init.broadcast_from_rank0
 
     def counted(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
         broadcasts[-1] += 1
         real_broadcast(tensors, group)
 
-    engine._broadcast_from_rank0 = counted
+    engine_init.broadcast_from_rank0 = counted
     with late, contextlib.ExitStack() as restore:
-        restore.callback(setattr, engine, "_broadcast_from_rank0", real_broadcast)
+        restore.callback(setattr, engine_init, "broadcast_from_rank0", real_broadcast)
         for step, micro in enumerate(data):
             broadcasts.append(0)
             for j, (x, y) in enumerate(micro):

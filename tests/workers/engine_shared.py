@@ -68,7 +68,7 @@ def main() -> None:
         before = len(_world.pg_map)
         dec = ParoShardedModule(make(1), codes[1], **kw)
         assert len(_world.pg_map) == before, f"the second module made {len(_world.pg_map) - before} process groups"
-        assert enc._gathers is dec._gathers and enc._reducer is dec._reducer
+        assert enc._engine.comms is dec._engine.comms  # one gather lane, one reduction lane
         opt = torch.optim.AdamW([*enc.parameters(), *dec.parameters()], lr=1e-2)
         for micro in data:
             for j, x in enumerate(micro):

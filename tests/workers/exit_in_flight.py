@@ -44,7 +44,7 @@ dist.barrier()
 world_threads = gloo_threads()
 model = ParoShardedModule(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), "IIG", group_size=2)
 model(torch.randn(2, 4)).sum().backward()
-comms, groups = model._comms, model.groups
+comms, groups = model._engine.comms, model.groups
 mesh_groups = [comms.mesh.get_group(d) for d in ("intra", "inter")]
 ours = [groups.intra, groups.inter, comms.gather_world, *mesh_groups]
 ours += [comms.reduce_groups.intra, comms.reduce_groups.inter, comms.reduce_groups.whole]

@@ -1,0 +1,141 @@
+"""``FlatBuffer``: one unit's trainable (or frozen) parameters and their (g, os) schedule (PaRO-DP, spec §5.1).
+
+Each micro-step the whole gradient is reduced to g's layout and accumulated; at the accumulation boundary the
+accumulated gradient goes to os's layout (t_syncg) and becomes the masters' ``.grad``; after the optimizer step
+the masters go back to p's layout (t_syncp). Layout and storage are the base classes' (``layout``, ``storage``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from paro_torch import _C
+from paro_torch._engine.collectives import Ledger, all_gather, all_reduce, reduce_scatter
+from paro_torch._engine.layout import G, I, N, ParamSlot
+from paro_torch._engine.storage import BufferStorage
+from paro_torch._groups import ParoGroups
+from paro_torch.api import Precision, divide_factors
+
+
+class FlatBuffer(BufferStorage):
+    """The trainable (or the frozen) parameters of one unit: blocks for communication, DTensors for the optimizer."""
+
+    def __init__(
+        self,
+        slots: list[ParamSlot],
+        values: list[torch.Tensor],
+        strategy: _C.Strategy,
+        groups: ParoGroups,
+        mesh: DeviceMesh,
+        trainable: bool,
+        precision: Precision,
+        on_grad_ready: Callable[[FlatBuffer, torch.Tensor], None] | None = None,
+        reduce_groups: ParoGroups | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__(slots, values, strategy, groups, mesh, trainable, precision, device)
+        self.rledger = Ledger()
+        """Reductions and t_syncg (the reduction lane)."""
+        self.rgroups = reduce_groups or groups
+        """The groups gradients are reduced on: a twin of ``groups`` when reductions run on their own lane."""
+        self.on_grad_ready = on_grad_ready or (lambda b, grad: b.reduce(grad))
+        self._pre, self._post = divide_factors(groups.world)
+        self.grad_ready = False
+        self.g_acc: torch.Tensor | None = None
+        if trainable:
+            g_lo, g_hi = self.range(strategy.g)
+            # gradients accumulate across micro-steps in float32 (or reduce_dtype, where the user set one)
+            self.g_acc = torch.zeros(g_hi - g_lo, dtype=precision.accumulate, device=self.device)
+
+    def _on_grad(self, full: torch.Tensor) -> None:
+        """Post-accumulate-grad hook of the whole-buffer leaf: hand the gradient over, reshard."""
+        assert full.grad is not None
+        grad, full.grad = full.grad, None
+        self.reshard()
+        self.grad_ready = True
+        self.on_grad_ready(self, grad)
+
+    def reduce(self, grad: torch.Tensor) -> None:
+        """One micro-step: reduces the natural-layout gradient to g's layout and accumulates it.
+
+        Nothing for g = N, an intra-group reduce-scatter for I, then an inter-group one for G. The engine runs
+        it on its reduction lane, so it overlaps the backward of the units before this one.
+        """
+        assert self.g_acc is not None
+        if self.strategy.g == N:  # reduced at the boundary only (sync_grad)
+            self.g_acc.add_(self.to_blocks(grad))
+            return
+        # in reduce_dtype, divided by n in two factors around the sums (as FSDP), so fp16 neither over- nor underflows
+        x = self.to_blocks(grad.to(self.precision.reduce) / self._pre)
+        x = reduce_scatter(x, self.rgroups.intra, self.rledger, "intra")
+        if self.strategy.g == G:
+            x = reduce_scatter(x, self.rgroups.inter, self.rledger, "inter")
+        self.g_acc.add_(x / self._post)
+
+    def sync_grad(self) -> bool:
+        """Accumulation boundary (t_syncg): bring the accumulated gradients (means over ranks) to os's layout.
+
+        Returns whether it created the parameters' ``.grad`` (they were None).
+        """
+        assert self.g_acc is not None
+        s, groups = self.strategy, self.rgroups
+        x = self.g_acc.to(self.precision.reduce)  # collectives in reduce_dtype
+        if s.g == N:  # local sums: the division by n, as in reduce
+            x = x / self._pre
+        if s.g == N:
+            x = reduce_scatter(x, groups.intra, self.rledger, "intra")
+        if s.g in (N, I):  # partial sums across groups
+            if s.os == G:
+                x = reduce_scatter(x, groups.inter, self.rledger, "inter")
+            elif groups.inter is not None:
+                x = all_reduce(x, groups.inter, self.rledger, "inter")
+        if s.os == N:  # NNN: reduce-scatter, all-reduce across groups, all-gather: a hierarchical all-reduce
+            full = torch.empty(self.padded, dtype=x.dtype, device=self.device)
+            all_gather(full, x, groups.intra, self.rledger, "intra")
+            x = full
+        if s.g == N:
+            x = x / self._post
+        region = x.to(torch.float32, copy=True)
+        created = all(p.grad is None for p in self.params)
+        for p, local in zip(self.params, self._locals(region), strict=True):
+            if p.grad is None:
+                p.grad = DTensor.from_local(local, self.mesh, p.placements, run_check=False,
+                                            shape=p.shape, stride=p.stride())  # fmt: skip
+            else:  # synced on more than one micro-step (no no_sync): gradients add up, as with DDP
+                p.grad.to_local().add_(local)
+        self.g_acc.zero_()
+        return created
+
+    def clear_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def sync_params(self) -> None:
+        """t_syncp: brings the updated os shards back to p's layout: inter all-gather G→I, intra all-gather I→N."""
+        assert self._master_region is not None
+        s = self.strategy
+        os_lo, os_hi = self.range(s.os)
+        p_shard = self.p_shard.detach()
+        master = self._master_region
+        with torch.no_grad():
+            if s.p != N:
+                if master.data_ptr() != p_shard[os_lo - self.p_lo :].data_ptr():
+                    p_shard[os_lo - self.p_lo : os_hi - self.p_lo].copy_(master)
+                if s.os != s.p:  # p = I, os = G
+                    i_lo, i_hi = self.range(I)
+                    dst = p_shard[i_lo - self.p_lo : i_hi - self.p_lo]
+                    all_gather(
+                        dst, p_shard[os_lo - self.p_lo : os_hi - self.p_lo], self.groups.inter, self.ledger, "inter"
+                    )
+            elif s.os == N:
+                if master.data_ptr() != p_shard.data_ptr():
+                    p_shard.copy_(master)
+            else:  # p = N keeps the natural layout: gather the blocks, then copy out
+                whole = torch.empty(self.padded, dtype=self.param_dtype, device=self.device)
+                self._gather_to_whole(master.to(self.param_dtype), s.os, whole)
+                with self._unpack(whole, s.os):
+                    self.from_blocks(whole, p_shard)

@@ -1,0 +1,122 @@
+"""Gradient reductions in one fixed order on every rank, on the reduction lane.
+
+[Note: reduction order] Reductions go out in one fixed order on every rank (units in reverse definition order,
+which is backward order for a stack of blocks, root last), whatever order autograd completes them in: a gradient
+that completes early waits for those before it. A buffer whose gradient never came (its unit was skipped on this
+rank) is reduced as zeros when backward ends, so the result is the mean over ranks with zeros where unused, as
+DDP's find_unused_parameters. Which buffers were used is agreed at each boundary (one small all-reduce after the
+reductions): one unused on every rank keeps its gradient None, as in single-process training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from paro_torch._comms import EngineComms
+from paro_torch._engine.flat_buffer import FlatBuffer
+from paro_torch._engine.layout import N
+from paro_torch._engine.units import TrainingState, Unit
+from paro_torch._lanes import Handle, Lane
+
+
+class OrderedReducer:
+    """Reduces each micro-step's gradients (and at a boundary syncs them, t_syncg) in the fixed order."""
+
+    def __init__(self, units: list[Unit], comms: EngineComms, device: torch.device) -> None:
+        self.lane: Lane = comms.reducer
+        self._comms = comms  # its communicators are released at exit (see [Note: communicators at exit])
+        self.sync_gradients = True
+        """Whether this backward is an accumulation boundary (``no_sync`` turns it off)."""
+        self.order = [b for u in units for b in u.buffers if b.trainable]
+        self._index = {id(b): i for i, b in enumerate(self.order)}
+        self._unit_of = {id(b): u for u in units for b in u.buffers}
+        self._pending: list[Handle[None]] = []
+        self._ready: dict[int, torch.Tensor | None] = {}
+        self._next = 0
+        self.used = torch.zeros(len(self.order), dtype=torch.int64, device=device)
+        """Per trainable buffer: whether its gradient came on this rank since the last boundary."""
+        self._created_grad: set[int] = set()
+        self.overlapped_syncs = 0
+        """Boundary gradient syncs queued during backward, as each buffer's gradient completed."""
+
+    def grad_ready(self, buffer: FlatBuffer, grad: torch.Tensor) -> None:
+        """A buffer's gradient is complete: queue the reductions now due in the fixed order.
+
+        They run on the reduction lane while the units before this one compute their backward; a g = N micro-step
+        without sync only sums locally, which ``flush`` does in place.
+        """
+        i = self._index[id(buffer)]
+        if i in self._ready or i < self._next:
+            raise RuntimeError(
+                f"paro_torch: the gradient of the unit holding {buffer.slots[0].fqn} completed twice in one "
+                "backward; a unit's parameters must reach the loss through one backward pass per micro-step"
+            )
+        self.used[i] = 1
+        self._ready[i] = grad
+        unit = self._unit_of[id(buffer)]
+        if all(b.grad_ready or not b.trainable for b in unit.buffers):
+            unit.state = TrainingState.POST_BACKWARD
+        self.flush()
+
+    def flush(self) -> None:
+        """Queues every reduction whose turn has come."""
+        while self._next in self._ready:
+            i = self._next
+            grad = self._ready.pop(i)
+            self._next += 1
+            if self.order[i].strategy.g == N and not self.sync_gradients:
+                # a local sum, no collective: here, not through the lane (on CPU a thread handoff per unit)
+                self._reduce_and_sync(i, grad, sync=False)
+                continue
+            self._pending.append(self.lane.submit(self._reduce_and_sync, i, grad, self.sync_gradients))
+            self.overlapped_syncs += self.sync_gradients
+
+    def _reduce_and_sync(self, i: int, grad: torch.Tensor | None, sync: bool) -> None:
+        buffer = self.order[i]
+        buffer.reduce(
+            grad if grad is not None else torch.zeros(buffer.numel, dtype=buffer.param_dtype, device=buffer.device)
+        )
+        if sync and buffer.sync_grad():
+            self._created_grad.add(i)
+
+    def finish(self, tail: torch.Tensor) -> torch.Tensor:
+        """At the end of backward: reduce the buffers that got no gradient as zeros, wait for every reduction.
+
+        Returns this rank's use flags followed by ``tail``; at a boundary summed over all ranks.
+        """
+        for i in range(self._next, len(self.order)):
+            self._ready.setdefault(i, None)  # unused on this rank in this micro-step
+        self.flush()
+        self._next = 0
+        flags = torch.cat([self.used, tail])
+        if self.sync_gradients:
+            self._pending.append(self.lane.submit(dist.all_reduce, flags, group=self._comms.reduce_groups.whole))
+        while self._pending:
+            self._pending.pop(0).result()
+        return flags
+
+    def after_boundary(self, used: torch.Tensor) -> None:
+        """Gradients of buffers unused on every rank in the window stay None, as in one process."""
+        for i in self._created_grad:
+            if used[i] == 0:
+                self.order[i].clear_grads()
+        self._created_grad.clear()
+        self.used.zero_()
+
+    def drop(self) -> None:
+        """After a failed backward: waits out what was issued and drops every gradient since the last boundary."""
+        for handle in self._pending:
+            with contextlib.suppress(Exception):  # a reduction that failed with the backward
+                handle.result()
+        self._pending.clear()
+        self._ready.clear()
+        self._next = 0
+        for b in self.order:
+            if b.g_acc is not None:
+                b.g_acc.zero_()
+            b.clear_grads()  # a boundary sync of the failed backward may have created some after zero_grad()
+        self.used.zero_()
+        self._created_grad.clear()

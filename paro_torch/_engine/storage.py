@@ -1,0 +1,219 @@
+"""A buffer's storage: the p-shard it keeps, the masters the optimizer updates, the whole buffer for compute."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from paro_torch import _C
+from paro_torch._engine.collectives import Ledger, all_gather
+from paro_torch._engine.layout import BufferLayout, G, I, N, ParamSlot
+from paro_torch._groups import ParoGroups
+from paro_torch.api import Precision
+
+
+def weak_hook(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    """A tensor hook that calls ``method`` while its object lives.
+
+    A hook on a tensor that its own object holds must not hold the object: autograd keeps tensor hooks where
+    Python's garbage collector cannot see the cycle, and the buffer (with its module) would never be freed.
+    """
+    ref = weakref.WeakMethod(method)
+
+    def hook(t: torch.Tensor) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(t)
+
+    return hook
+
+
+class BufferStorage(BufferLayout):
+    """The tensors of one buffer: the p-shard, the float32 masters (os), the gathered whole buffer (p = I, G).
+
+    A trainable buffer is laid out at os, its finest granularity in every valid strategy; a frozen one at p.
+    """
+
+    def __init__(
+        self,
+        slots: list[ParamSlot],
+        values: list[torch.Tensor],
+        strategy: _C.Strategy,
+        groups: ParoGroups,
+        mesh: DeviceMesh,
+        trainable: bool,
+        precision: Precision,
+        device: torch.device | None = None,
+    ) -> None:
+        device = device if device is not None else torch.device("cpu")
+        super().__init__(slots, groups, mesh, strategy.os if trainable else strategy.p, device)
+        self.ledger = Ledger()
+        """Gathers and t_syncp (the gather lane)."""
+        self.strategy = strategy
+        self.trainable = trainable
+        self.precision = precision
+        self.param_dtype = param_dtype = precision.param
+        # each parameter's values, flat; only this rank's blocks are copied out of them (a meta-device model's
+        # unit exists whole only as these)
+        parts = [v.detach().reshape(-1) for v in values]
+        self.p_lo, self.p_hi = self.range(strategy.p)
+        # p-shard: the persistent parameter storage (the whole natural layout when p = N)
+        if strategy.p == N:
+            self.p_shard = torch.zeros(self.numel, dtype=param_dtype, device=self.device)
+            for s, part in zip(slots, parts, strict=True):
+                self.p_shard[s.offset : s.offset + s.numel] = part
+        else:
+            self.p_shard = self._pack(parts, self.p_lo, self.p_hi, param_dtype)
+        self.full: torch.Tensor | None = self.p_shard if strategy.p == N else None
+        self._master_region: torch.Tensor | None = None
+        self.params: list[nn.Parameter] = []
+        """Per slot: this rank's shard as a DTensor parameter (os for trainable, p for frozen), original shape."""
+        if trainable:
+            lo, hi = self.range(strategy.os)
+            shares = param_dtype == torch.float32 and (strategy.p != N or strategy.os == N)
+            if shares:  # the os block is part of the p-shard: the optimizer updates the parameters in place
+                self._master_region = self.p_shard.detach()[lo - self.p_lo : hi - self.p_lo]
+            else:
+                self._master_region = self._pack(parts, lo, hi, torch.float32)
+            if strategy.p == N:
+                self._grad_leaf(self.p_shard)
+            self.params = [nn.Parameter(t, requires_grad=True) for t in self._dtensors(self._master_region)]
+        else:
+            self.params = [nn.Parameter(t, requires_grad=False) for t in self._dtensors(self.p_shard.detach())]
+
+    def _grad_leaf(self, whole: torch.Tensor) -> None:
+        """Makes the whole natural buffer the leaf autograd accumulates the unit's gradient into."""
+        whole.requires_grad_(True)
+        whole.register_post_accumulate_grad_hook(weak_hook(self._on_grad))
+
+    def _on_grad(self, full: torch.Tensor) -> None:
+        raise NotImplementedError  # the gradient schedule's (FlatBuffer)
+
+    # -- parameters: p → N (unshard) and back (reshard) --------------------------------------------------------
+    def unshard(self) -> torch.Tensor:
+        """Makes the whole natural buffer available (gathering it for p = I, G) and returns it."""
+        if self.strategy.p == N:
+            return self.p_shard
+        # a normal tensor also when first made under inference_mode (on CUDA this runs on the caller's thread):
+        # training later reuses it and preserves its version counter, which inference tensors do not have
+        with torch.inference_mode(False):
+            return self._unshard()
+
+    def _unshard(self) -> torch.Tensor:
+        start = time.perf_counter()  # the storage is held (and grown) from here: memory counts it as unsharded
+        if self.full is None:
+            self.full = torch.empty(self.numel, dtype=self.param_dtype, device=self.device)
+            if self.trainable:
+                self._grad_leaf(self.full)
+        elif self.full.untyped_storage().size() == 0:
+            self.full.untyped_storage().resize_(self.numel * self.full.element_size())
+        else:
+            return self.full
+        grown = time.perf_counter() - start
+        whole = torch.empty(self.padded, dtype=self.param_dtype, device=self.device)
+        self._gather_to_whole(self.p_shard, self.strategy.p, whole)
+        # the re-gather before backward refills the storage that forward's saved views point to; keep the
+        # version counter so autograd accepts it (as FSDP does)
+        with self._unpack(whole, self.strategy.p, grown), torch.no_grad():
+            with torch.autograd._unsafe_preserve_version_counter(self.full):
+                self.from_blocks(whole, self.full.detach())
+        return self.full
+
+    def _unpack(self, whole: torch.Tensor, granularity: str, grown: float = 0.0) -> contextlib.AbstractContextManager:
+        """The ledger's record (``Ledger.unpack``) of a copy-out of ``whole``, gathered from ``granularity``.
+
+        None where no group took part (a level of one rank), as the cost model counts it.
+        """
+        g = self.groups
+        if g.intra is None and (granularity != G or g.inter is None):
+            return contextlib.nullcontext()
+        return self.ledger.unpack(whole, grown)
+
+    def reshard(self) -> None:
+        """Frees the gathered buffer (p = I, G) and drops the modules' attributes that viewed it.
+
+        The modules then see the sharded parameters again; autograd's saved views keep their metadata and see the
+        storage again after the next unshard.
+        """
+        if self.strategy.p == N:
+            return
+        if self.full is not None and self.full.untyped_storage().size() > 0:
+            self.full.untyped_storage().resize_(0)
+        for slot in self.slots:
+            for module, name in slot.targets:
+                module.__dict__.pop(name, None)
+
+    def full_freed(self) -> bool:
+        """Whether the whole buffer was gathered before and is resharded now (p = I, G)."""
+        return self.full is not None and self.strategy.p != N and self.full.untyped_storage().size() == 0
+
+    def unsharded(self) -> bool:
+        """Whether the gathered whole buffer is held now (p = I, G)."""
+        return self.full is not None and self.strategy.p != N and self.full.untyped_storage().size() > 0
+
+    def _gather_to_whole(self, shard: torch.Tensor, granularity: str, out: torch.Tensor) -> None:
+        """Out (the whole blocked buffer) ← shard held at granularity: inter all-gather G→I, intra all-gather I→N."""
+        g = self.groups
+        out = out.detach()
+        if granularity == N:
+            out.copy_(shard)
+            return
+        if granularity == G:
+            i_lo, i_hi = self.range(I)
+            chunk = shard.new_empty(i_hi - i_lo)  # this rank's I-chunk
+            all_gather(chunk, shard, g.inter, self.ledger, "inter")
+            shard = chunk
+        all_gather(out, shard, g.intra, self.ledger, "intra")  # puts this rank's own chunk in place too
+
+    def views(self) -> list[torch.Tensor]:
+        """The original parameters as views of the whole natural buffer (call after unshard).
+
+        One ``split`` rather than a slice per parameter: autograd then builds the buffer's gradient with one
+        concatenation, where slices would each materialise a whole-buffer gradient to be summed.
+        """
+        full = self.full if self.full is not None else self.p_shard
+        parts = full.split(self._split_sizes)
+        return [part.view(s.shape) for part, s in zip(parts, self.slots, strict=False)]
+
+    # -- whole values, for state dicts ---------------------------------------------------------------------------
+    def full_values(self) -> torch.Tensor:
+        """The whole natural buffer's current values (masters for trainable parameters), gathered on every rank."""
+        dtype = torch.float32 if self.trainable else self.param_dtype
+        out = torch.empty(self.numel, dtype=dtype, device=self.device)
+        with torch.no_grad():
+            if self._master_region is not None:
+                shard, granularity = self._master_region.to(dtype), self.strategy.os
+            else:
+                shard, granularity = self.p_shard.detach(), self.strategy.p
+            if granularity == N and self.level == N:
+                return shard.clone()
+            whole = torch.empty(self.padded, dtype=dtype, device=self.device)
+            self._gather_to_whole(shard, granularity, whole)
+            self.from_blocks(whole, out)
+        return out
+
+    def load_full(self, values: dict[int, torch.Tensor]) -> None:
+        """Copies each given slot's whole value (by slot index) into this rank's shard of it; not collective.
+
+        Call ``sync_params`` afterwards (on every rank) for trainable buffers.
+        """
+        block = self._my_block()
+        with torch.no_grad():
+            for i, v in values.items():
+                s, (_, _, chunks), p = self.slots[i], self.places[i], self.params[i]
+                start, rows = chunks[block]
+                src = v.detach().reshape(s.shape)
+                p.to_local().copy_(src if s.replicated else src[start : start + rows])
+
+    def master_bytes(self) -> int:
+        """Bytes of float32 masters held apart from the parameters (0 when they share the p-shard's storage)."""
+        m = self._master_region
+        if m is None or m.untyped_storage().data_ptr() == self.p_shard.untyped_storage().data_ptr():
+            return 0
+        return m.numel() * m.element_size()
