@@ -185,6 +185,32 @@ class ParoShardedModule(nn.Module):
         """Most units holding gathered parameters at once (p = I, G), seen when a unit's parameters are acquired."""
         return self._engine.schedule.peak_unsharded
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> ParoShardedModule:
+        """``Module._apply`` (``.to``, ``.cpu``, ``.cuda``, ``.float``, ...) that keeps the engine's storage.
+
+        A conversion that keeps the parameters' device and dtype runs as usual (buffers too), and the engine takes
+        the parameters back (``FlatBuffer.adopt``), as FSDP2 re-derives its shards after ``_apply``. One that would
+        change either raises before it touches anything: the engine's storage, communicators and float32 masters
+        are set at construction (``device=``, ``mixed_precision=``).
+        """
+        probe = fn(torch.empty(0, dtype=torch.float32, device=self.device))
+        if isinstance(probe, torch.Tensor) and (probe.device != self.device or probe.dtype != torch.float32):
+            raise ValueError(
+                f"ParoShardedModule: this conversion would move its parameters to {probe.device} / {probe.dtype}; a "
+                f"wrapped model lives on {self.device} with float32 masters: build it with device=... (and "
+                "mixed_precision=MixedPrecisionPolicy(param_dtype=...) for low-precision compute), or convert the "
+                "model before wrapping it"
+            )
+        engine = self.__dict__.get("_engine")
+        if engine is None:  # during construction
+            return super()._apply(fn, recurse)
+        engine.wait_idle()
+        super()._apply(fn, recurse)
+        for b in engine.flat_buffers:
+            b.adopt()
+        engine.buffer_sync.rebind(list(self.module.buffers()))
+        return self
+
     # ----------------------------------------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the module, bringing each unit's parameters up to date on the gather lane ahead of it.

@@ -37,6 +37,10 @@ CASES = {
         "buffer_changes",  # a constant buffer, doubled after step 1: broadcast in the first step and after changes
         "meta",  # built on the meta device, initialised unit by unit by param_init_fn
     ],
+    "edits": [
+        "edit_after_eval",  # after step 1: an evaluation forward, then the parameters halved in place
+        "moved",  # .to("cpu"), .cpu(), .float() between steps; .double() refused with the fix
+    ],
     "errors": [
         "backward_error",  # a backward raises midway on every rank; the step is skipped and training goes on
         "forward_error",  # a forward raises inside a block on every rank; that micro-step is left out

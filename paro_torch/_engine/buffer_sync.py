@@ -21,11 +21,19 @@ class BufferSync:
     """Which buffers are due for a broadcast from rank 0, and the broadcast itself."""
 
     def __init__(self, buffers: list[torch.Tensor]) -> None:
+        self._track(buffers)
+
+    def _track(self, buffers: list[torch.Tensor]) -> None:
         self.buffers = [b for b in buffers if b.numel() > 0]
         self._due = [True] * len(self.buffers)
         self._versions = [b._version for b in self.buffers]
         self.changed = [False] * len(self.buffers)
         """Per buffer: changed on this rank since the last look."""
+
+    def rebind(self, buffers: list[torch.Tensor]) -> None:
+        """The module's buffers after ``Module._apply`` replaced them: all due again, as at the start."""
+        if self.buffers:  # empty: broadcast_buffers=False (or none to sync)
+            self._track(buffers)
 
     def note_changes(self) -> None:
         """Notes the buffers whose version changed since the last look."""

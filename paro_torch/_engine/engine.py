@@ -70,11 +70,17 @@ class Engine:
         # [Note: parameter sync] t_syncp (masters -> parameters) runs before the first forward after every
         # boundary backward, for every unit on every rank alike, whatever the optimizer did: fused and
         # raw-pointer optimizers update the masters without a trace, and a step skipped on one rank only must
-        # not change which collectives run. An optimizer step after that forward would leave the parameters
-        # stale: it is detected and reported at the next boundary (see end_backward).
+        # not change which collectives run. It runs again before the first forward after the module switches
+        # between train() and eval(), so that in-place edits of the masters around an evaluation reach compute:
+        # an EMA swap, schedule-free's optimizer.eval()/train() (version counters cannot tell: DTensor ops and
+        # ``p.data`` edits leave the masters' untouched). Evaluations run on every rank, as with FSDP and ZeRO-3.
+        # An optimizer step after the first forward of a window would leave the parameters stale: it is detected
+        # and reported at the next boundary (see _end_backward).
         self._sync_params_next = False
         self._synced_since_boundary = False
         self._late_step = False
+        self._last_training: bool | None = None
+        """The wrapped module's ``training`` at the last forward (see [Note: parameter sync])."""
         master_ids = {id(p) for b in self.flat_buffers if b.trainable for p in b.params}
         me = weakref.ref(self)
 
@@ -211,6 +217,14 @@ class Engine:
                 "optimizer.step() (and zero_grad()) before the next forward of the model"
             )
 
+    def wait_idle(self) -> None:
+        """Between steps: no gather or reduction in flight, every unit resharded (before ``_apply``)."""
+        if self._root_depth or self._in_backward:
+            raise RuntimeError(
+                "ParoShardedModule: .to()/.cpu()/... inside a forward or backward; call it between steps"
+            )
+        self.reset_units()
+
     def reset_units(self) -> None:
         """Every unit idle and resharded (its modules' attributes back on the shards: no view of freed storage)."""
         for u in self.units:
@@ -259,9 +273,11 @@ class Engine:
             return
         if self._in_backward and not self._in_autograd():
             self._recover_from_failed_backward()
-        if self._sync_params_next:  # see [Note: parameter sync]
+        switched = self._last_training is not None and self.module.training != self._last_training
+        self._last_training = self.module.training
+        if self._sync_params_next or switched:  # see [Note: parameter sync]
+            self._synced_since_boundary |= self._sync_params_next
             self._sync_params_next = False
-            self._synced_since_boundary = True
             for u in self.units:
                 u.needs_sync = any(b.trainable for b in u.buffers)
         root = self.units[-1]

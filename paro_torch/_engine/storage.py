@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from paro_torch import _C
 from paro_torch._engine.collectives import Ledger, all_gather
@@ -86,6 +87,29 @@ class BufferStorage(BufferLayout):
             self.params = [nn.Parameter(t, requires_grad=True) for t in self._dtensors(self._master_region)]
         else:
             self.params = [nn.Parameter(t, requires_grad=False) for t in self._dtensors(self.p_shard.detach())]
+        self._local_views = [p._local_tensor for p in self.params]
+        """Each parameter's shard as a view of the storage above (what ``adopt`` points it back at)."""
+
+    def adopt(self) -> None:
+        """Takes back the parameters after ``Module._apply`` (``.to``, ``.cpu``, ``.float``) swapped their tensors.
+
+        A converted shard's values go into the storage, the parameter views the storage again, and a parameter
+        object that ``_apply`` replaced is put back (the optimizer holds the original), as FSDP2's
+        ``reset_sharded_param``. The conversion must keep the device and dtype (``ParoShardedModule._apply``).
+        """
+        for slot, param, view in zip(self.slots, self.params, self._local_views, strict=True):
+            for module, name in slot.targets:
+                now = module._parameters.get(name)
+                if isinstance(now, DTensor) and now is not param:
+                    param.grad = now.grad
+                    local = now._local_tensor
+                else:
+                    local = param._local_tensor
+                if local is not view:
+                    with torch.no_grad():
+                        view.copy_(local)
+                module._parameters[name] = param
+            param._local_tensor = view
 
     def _grad_leaf(self, whole: torch.Tensor) -> None:
         """Makes the whole natural buffer the leaf autograd accumulates the unit's gradient into."""

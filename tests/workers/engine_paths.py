@@ -13,8 +13,10 @@ generate that reaches the forward past the inner model's own hooks, as PEFT's do
 redirection: the wrapper's forward runs training_step, which calls the model again and uses a root parameter);
 forward_error (a forward that raises inside a block on every rank, that micro-step skipped);
 inference_first (the first forward under inference_mode with communication issued on the calling thread, as on
-CUDA). Every case also checks that no module attribute points at freed parameter storage between steps, and that
-the module is freed once dropped.
+CUDA); edit_after_eval (after step 1, an evaluation forward, then every parameter halved in place, as an EMA swap
+or schedule-free's train() does); moved (``.to``, ``.cpu``, ``.float`` between steps; ``.double()`` refused).
+Every case also checks that no module attribute points at freed parameter storage between steps, and that the
+module is freed once dropped.
 """
 
 import contextlib
@@ -187,10 +189,37 @@ def skips_micro(case: str, step: int, j: int) -> bool:
 
 
 def after_step(case: str, step: int, model: Tiny) -> None:
-    """buffer_changes: every rank doubles the constant buffer after step 1 (as a user's schedule might)."""
+    """buffer_changes: every rank doubles the constant buffer after step 1 (as a user's schedule might);
+    edit_after_eval: every parameter halved in place after step 1 (the paro run evaluates first)."""
     if case == "buffer_changes" and step == 1:
         with torch.no_grad():
             model.shift.mul_(2)
+    if case == "edit_after_eval" and step == 1:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.5)
+
+
+def evaluate_then_move(case: str, step: int, model: ParoShardedModule, x: torch.Tensor) -> None:
+    """edit_after_eval: an evaluation forward between the optimizer step and the edit (it syncs the parameters
+    first); moved: the wrapped model converted in place between steps, and a conversion it cannot take refused."""
+    if case == "edit_after_eval" and step == 1:
+        model.eval()
+        with torch.no_grad():
+            model(x)
+        model.train()
+    if case == "moved":
+        {0: lambda: model.to("cpu"), 1: model.cpu, 2: model.float}.get(step, lambda: model.to(torch.float32))()
+        engine = model._engine
+        stale = [s.fqn for b in engine.flat_buffers for s, p, v in zip(b.slots, b.params, b._local_views, strict=True)
+                 if p._local_tensor is not v or s.module._parameters[s.name] is not p]  # fmt: skip
+        assert not stale, f"after a conversion, parameters no longer view the engine's storage: {stale[:4]}"
+        try:
+            model.double()
+        except ValueError as e:
+            assert "float32 masters" in str(e), e
+        else:
+            raise AssertionError("model.double() on a wrapped model did not raise")
 
 
 # Buffer broadcasts per step in training (see [Note: buffer broadcast] in paro_torch/_engine/buffer_sync.py): all
@@ -261,6 +290,7 @@ def check_sensitive(case: str, data: list, world: int, ref: Tiny) -> None:
         "buffer_changes",
         "forward_error",
         "backward_error",
+        "edit_after_eval",
     ):
         params = dict(ref.named_parameters())
         other = train_reference(case, data, world, plain=True)
@@ -342,6 +372,7 @@ def train_paro(case: str, code: str, data: list, groups: ParoGroups) -> ParoShar
             if steps_optimizer(case, step):
                 opt.step()
             opt.zero_grad()
+            evaluate_then_move(case, step, model, data[0][0][0][local])
             after_step(case, step, inner)
             freed = [f"{type(m).__name__}.{k}" for m in inner.modules() for k, v in vars(m).items()
                      if torch.is_tensor(v) and v.numel() and not v.untyped_storage().size()]  # fmt: skip
