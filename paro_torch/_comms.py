@@ -11,6 +11,7 @@ once per job, not per module.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -61,10 +62,30 @@ def _make(groups: ParoGroups, device: torch.device) -> EngineComms:
 
 
 def _mesh(groups: ParoGroups, device_type: str) -> DeviceMesh:
-    """The 2-D mesh (intra, inter): ``mesh[r][k]`` is rank k·m + r, so placements shard by local rank first."""
+    """The 2-D mesh (intra, inter): ``mesh[r][k]`` is rank k·m + r, so placements shard by local rank first.
+
+    [Note: no flattened mesh] G is ``(Shard(0), Shard(0))`` on it: the I-chunk by local rank, then the G-chunk
+    by group, as the engine's blocks nest (``layout.py``). The mesh is never flattened: given a flattened mesh of
+    equal ranks, torch 2.15's redistribution merges the two levels into one collective over it, which gathers in
+    sorted rank order and in equal chunks, not in the nested order with the nested (uneven) chunks, and so
+    scrambles ``full_tensor()`` and the full state dict. Per dimension (an all-gather, or a global norm's
+    all-reduce, on each level in turn) it is right for every shape.
+    """
     m, g = groups.group_size, groups.num_groups
     ranks = torch.tensor([[k * m + r for k in range(g)] for r in range(m)], dtype=torch.int64)
     mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("intra", "inter"))
-    flat = mesh._flatten("paro_world")  # DTensor reduces over both dimensions at once with it (e.g. a global norm)
-    own_mesh(mesh, flat)
+    own_mesh(mesh)
+    _quiet_flatten_advice()
     return mesh
+
+
+def _quiet_flatten_advice() -> None:
+    """Drops torch's advice to flatten the mesh (see [Note: no flattened mesh]): following it would scramble."""
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    if not any(isinstance(f, _NoFlattenAdvice) for f in log.filters):
+        log.addFilter(_NoFlattenAdvice())
+
+
+class _NoFlattenAdvice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "flatten mesh dimensions" not in record.getMessage()

@@ -63,3 +63,12 @@ def test_interrupted_save_never_loads_as_complete(tmp_path: Path) -> None:
     out = assert_ok(launch("checkpoint.py", 1, args=("verify", str(tmp_path), "NNN"), timeout=120))
     assert "not a complete paro_torch checkpoint" in out and "does not match the model" in out
     assert "is truncated" in out and "is corrupted" in out and ".distcp" in out  # damaged files, by name
+
+
+def test_torch_state_dict_apis_see_the_trained_model_for_every_strategy(tmp_path: Path) -> None:
+    """All 14 strategies on 2 x 2, shapes that do not divide the ranks (empty shards, a 0-dim parameter):
+    full_tensor(), get/set_model_state_dict (full and sharded) equal full_state_dict(); DCP checkpoints of the
+    sharded state dict load into a plain module on 1 and on 2 ranks."""
+    assert_ok(launch("state_dict_api.py", 4, env={"PARO_GROUP_SIZE": "2"}, args=("check", str(tmp_path)), timeout=400))
+    for world in (1, 2):
+        assert_ok(launch("state_dict_api.py", world, args=("load", str(tmp_path)), timeout=200))
