@@ -33,10 +33,12 @@ from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
 import torch.nn as nn
 from lightning.pytorch.plugins.precision import HalfPrecision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from paro_torch import _C
@@ -104,15 +106,71 @@ class ParoStrategy(DDPStrategy):
             "example_inputs": example_inputs,
         }
         self._mixed_precision = mixed_precision
+        self._wrapped: ParoShardedModule | None = None
+        """The sharded LightningModule, once a fit wrapped it: validate/test/predict and another fit reuse it."""
 
     # ------------------------------------------------------------------------------------------------ wrapping
+    def setup(self, trainer: L.Trainer) -> None:
+        """As DDP's; evaluating a module that a fit sharded runs on its shards (no wrapping, no broadcast of them)."""
+        if trainer.state.fn == TrainerFn.FITTING or not self._sharded(self.model):
+            super().setup(trainer)
+            return
+        assert self.accelerator is not None and self._wrapped is not None
+        self.accelerator.setup(trainer)
+        self.model = self._wrapped
+        self.setup_precision_plugin()
+
+    def model_to_device(self) -> None:
+        """As DDP's, but a module built on the meta device is materialised while it is wrapped (on the device)."""
+        assert self.model is not None
+        if self._sharded(self.model):
+            assert self._wrapped is not None
+            self._wrapped.to(self.root_device)  # keeps the engine's storage (ParoShardedModule._apply)
+        elif not any(p.is_meta for p in self.model.parameters()):
+            super().model_to_device()
+
+    def teardown(self) -> None:
+        """As DDP's, except that a sharded module and its optimizer's states stay on their device.
+
+        Lightning moves the LightningModule to the CPU at teardown; its parameters are the engine's shards, whose
+        storage is set at wrapping (``ParoShardedModule(device=)``): a later validate, test, predict or fit on the
+        same module runs on them where they are.
+        """
+        module = self.lightning_module
+        if self._wrapped is None or module is None:
+            super().teardown()
+            return
+        optimizers, self.optimizers = self.optimizers, []
+        module.__dict__["cpu"] = lambda: module  # Strategy.teardown's move, for this call only
+        try:
+            super().teardown()
+        finally:
+            del module.__dict__["cpu"]
+            self.optimizers = optimizers
+
+    def _sharded(self, model: nn.Module | None) -> bool:
+        """Whether ``model`` was wrapped before (by this strategy or another's fit); keeps that wrapper."""
+        wrapper = ParoShardedModule.of(model) if model is not None else None
+        if wrapper is not None:
+            self._wrapped = wrapper
+        return wrapper is not None
+
     def _setup_model(self, model: nn.Module) -> ParoShardedModule:  # type: ignore[override]
         """Wraps the LightningModule (collective); Lightning builds the optimizers afterwards."""
+        if self._sharded(model):  # a second fit of the same module
+            assert self._wrapped is not None
+            code = self._wrapped.strategy.code
+            if self.paro_strategy.strip().lower() != "auto" and _C.Strategy(self.paro_strategy).code != code:
+                raise ValueError(
+                    f"this LightningModule was sharded as {code} by an earlier fit; fit it with strategy "
+                    f"'paro_{code}' (or 'paro'), or load its checkpoint into a fresh module to change strategy"
+                )
+            return self._wrapped
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         accum = trainer.accumulate_grad_batches if trainer is not None else 1
         # Lightning clips by norm when gradient_clip_val is set, unless gradient_clip_algorithm is "value"
         clips = trainer is not None and bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm != "value"
-        return ParoShardedModule(
+        self._wrapped = ParoShardedModule(
             model,
             self.paro_strategy,
             mixed_precision=self._policy(),
@@ -121,6 +179,7 @@ class ParoStrategy(DDPStrategy):
             device=self.root_device,
             **self._paro_options,
         )
+        return self._wrapped
 
     def _policy(self) -> MixedPrecisionPolicy | None:
         if self._mixed_precision is not None:

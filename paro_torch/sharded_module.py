@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,6 +32,9 @@ from paro_torch.api import Precision
 from paro_torch.auto import LinkCalibration
 
 __all__ = ["ParoShardedModule", "WrapPolicy"]
+
+_WRAPPERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[ParoShardedModule]] = weakref.WeakKeyDictionary()
+"""Each wrapped module's ParoShardedModule (``ParoShardedModule.of``)."""
 
 
 class ParoShardedModule(nn.Module):
@@ -103,6 +107,11 @@ class ParoShardedModule(nn.Module):
         param_init_fn: Callable[[nn.Module], None] | None = None,
     ) -> None:
         super().__init__()
+        if ParoShardedModule.of(module) is not None:
+            raise ValueError(
+                f"{type(module).__name__} is wrapped by a ParoShardedModule already (its parameters are shards); "
+                "use that one (ParoShardedModule.of(module)), or wrap a fresh model"
+            )
         self.precision = Precision.of(mixed_precision)
         self.param_dtype = self.precision.param
         m = requested_group_size(group_size, process_groups, device_mesh)
@@ -165,6 +174,13 @@ class ParoShardedModule(nn.Module):
         self.__dict__["_engine"] = Engine(
             module, units, self.strategy, comms, self.precision, self.device, broadcast_buffers
         )
+        _WRAPPERS[module] = weakref.ref(self)
+
+    @staticmethod
+    def of(module: nn.Module) -> ParoShardedModule | None:
+        """The ParoShardedModule that wraps ``module`` (whose parameters are now its shards), if any."""
+        ref = _WRAPPERS.get(module)
+        return ref() if ref is not None else None
 
     @property
     def _flat_buffers(self) -> list[Any]:

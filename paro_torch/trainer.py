@@ -157,6 +157,7 @@ class ParoTrainer(Trainer):
         if opts["strategy"].strip().lower() == "auto" and opts["tokens_per_micro_step"] is not None:
             opts["example_inputs"] = self._example_batch()  # auto times the model itself on it
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if self.args.bf16 else None
+        opts.setdefault("device", self.args.device)  # where the Trainer puts the model and its batches
         paro = ParoShardedModule(
             model, opts.pop("strategy"), mixed_precision=mp, grad_accum=self.args.gradient_accumulation_steps, **opts
         )
@@ -172,10 +173,10 @@ class ParoTrainer(Trainer):
     def _example_batch(self) -> dict[str, Any] | None:
         """One micro-batch as the Trainer feeds the model: the training set's first items, its columns, collated.
 
-        None when the dataset cannot be indexed (e.g. an iterable one), or the model is not on the CPU, where
-        ParoTrainer's engine runs.
+        None when the dataset cannot be indexed (e.g. an iterable one), or the model is not on the Trainer's
+        device, where the engine runs and the probe times it.
         """
-        if any(p.device.type != "cpu" for p in self.model.parameters()):
+        if any(p.device != torch.device(self.args.device) for p in self.model.parameters()):
             return None
         columns = set(self._signature_columns or ())
         try:
@@ -183,7 +184,8 @@ class ParoTrainer(Trainer):
             items = [{k: v for k, v in item.items() if not columns or k in columns} for item in items]
         except (TypeError, KeyError, IndexError, AttributeError, NotImplementedError):
             return None
-        return dict(self.data_collator(items))
+        batch = dict(self.data_collator(items))
+        return {k: v.to(self.args.device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """The Trainer's optimizer, built on the Hugging Face model inside: its sharded parameters, by name."""

@@ -41,6 +41,11 @@ CASES = {
         "edit_after_eval",  # after step 1: an evaluation forward, then the parameters halved in place
         "moved",  # .to("cpu"), .cpu(), .float() between steps; .double() refused with the fix
     ],
+    "zero_grad": [
+        "abandoned_window",  # a window dropped after one micro-step (zero_grad(), no step): not carried over
+        "abandoned_window_inplace",  # ditto with zero_grad(set_to_none=False)
+        "zero_grad_inplace",  # every zero_grad(set_to_none=False)
+    ],
     "errors": [
         "backward_error",  # a backward raises midway on every rank; the step is skipped and training goes on
         "forward_error",  # a forward raises inside a block on every rank; that micro-step is left out

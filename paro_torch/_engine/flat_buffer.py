@@ -50,6 +50,69 @@ class FlatBuffer(BufferStorage):
             g_lo, g_hi = self.range(strategy.g)
             # gradients accumulate across micro-steps in float32 (or reduce_dtype, where the user set one)
             self.g_acc = torch.zeros(g_hi - g_lo, dtype=precision.accumulate, device=self.device)
+        # [Note: gradients in .grad] The masters' ``.grad`` exists from a window's first micro-step on, so that the
+        # user's ``zero_grad()`` (optimizer's or module's) reaches the accumulator, as with DDP: where g = os (and
+        # the accumulator is float32) each ``.grad`` is a view of the accumulator itself, synced in place at the
+        # boundary (no second copy of the gradients); elsewhere it is a float32 tensor at os's layout that the
+        # boundary's sync adds to. A ``.grad`` set to None, replaced, or (at g != os) changed in place since the
+        # engine last wrote it means the gradients were cleared: the accumulator restarts from zero, so a window
+        # abandoned after some micro-steps (a NaN guard) is not carried into the next step. Gradients not cleared
+        # after a boundary add up, as with DDP.
+        self._in_grad = trainable and strategy.g == strategy.os and precision.accumulate == torch.float32
+        self._marks: list[tuple[torch.Tensor, int]] | None = None
+        """The ``.grad`` of each parameter as the engine last left it, and its version (None: not set by us)."""
+        self._window = False
+        """A window (micro-steps since the last boundary) has started."""
+        self._attached = False
+        """This window's ``.grad`` were attached by the engine (they were None): unused everywhere, dropped."""
+        self._carried: torch.Tensor | None = None
+        """At g = os: the synced gradients a window found in ``.grad`` (not cleared), added back after its sync."""
+
+    def prepare_grads(self) -> None:
+        """Before a micro-step's reduction is queued: restart a cleared accumulator, attach this window's ``.grad``.
+
+        On the caller's thread (see [Note: gradients in .grad]); no reduction of this buffer is in flight.
+        """
+        assert self.g_acc is not None
+        if self._marks is not None and self._cleared():
+            self.g_acc.zero_()
+            self._marks, self._carried = None, None
+        if self._marks is None:
+            self._attached = all(p.grad is None for p in self.params)
+            region = self.g_acc if self._in_grad else torch.zeros(self._master_numel(), device=self.device)
+            if self._attached or self._in_grad:
+                old = [p.grad for p in self.params]
+                for p, local in zip(self.params, self._locals(region), strict=True):
+                    p.grad = self._grad_of(p, local)
+                if not self._attached:  # the user's own gradients: added to what this window accumulates
+                    for p, g in zip(self.params, old, strict=True):
+                        if g is not None:
+                            p.grad.add_(g)
+            self._window = True
+            self._mark()
+        elif not self._window:  # a new window over gradients the user kept: they add up
+            self._window = True
+            self._attached = False
+            if self._in_grad and self.strategy.os != G:  # its sync is not linear in place: set them aside
+                self._carried = self.g_acc.clone()
+                self.g_acc.zero_()
+
+    def _master_numel(self) -> int:
+        lo, hi = self.range(self.strategy.os)
+        return hi - lo
+
+    def _grad_of(self, p: torch.Tensor, local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(local, self.mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+    def _mark(self) -> None:
+        self._marks = [(p.grad, p.grad._version) for p in self.params]  # type: ignore[misc]
+
+    def _cleared(self) -> bool:
+        assert self._marks is not None
+        for p, (grad, version) in zip(self.params, self._marks, strict=True):
+            if p.grad is not grad or not self._in_grad and grad._version != version:
+                return True
+        return False
 
     def _on_grad(self, full: torch.Tensor) -> None:
         """Post-accumulate-grad hook of the whole-buffer leaf: hand the gradient over, reshard."""
@@ -99,20 +162,27 @@ class FlatBuffer(BufferStorage):
             x = full
         if s.g == N:
             x = x / self._post
-        region = x.to(torch.float32, copy=True)
-        created = all(p.grad is None for p in self.params)
-        for p, local in zip(self.params, self._locals(region), strict=True):
-            if p.grad is None:
-                p.grad = DTensor.from_local(local, self.mesh, p.placements, run_check=False,
-                                            shape=p.shape, stride=p.stride())  # fmt: skip
-            else:  # synced on more than one micro-step (no no_sync): gradients add up, as with DDP
+        self._window = False
+        if self._in_grad:  # the accumulator is the gradients (see [Note: gradients in .grad])
+            if x is not self.g_acc:
+                self.g_acc.copy_(x)
+            if self._carried is not None:
+                self.g_acc.add_(self._carried)
+                self._carried = None
+        else:
+            for p, local in zip(self.params, self._locals(x.to(torch.float32)), strict=True):
                 p.grad.to_local().add_(local)
-        self.g_acc.zero_()
-        return created
+            self.g_acc.zero_()
+        self._mark()
+        return self._attached
 
     def clear_grads(self) -> None:
+        """No gradients, and an empty accumulator (a buffer unused everywhere, or a failed backward)."""
         for p in self.params:
             p.grad = None
+        if self.g_acc is not None:
+            self.g_acc.zero_()
+        self._marks, self._carried, self._window = None, None, False
 
     def sync_params(self) -> None:
         """t_syncp: brings the updated os shards back to p's layout: inter all-gather G→I, intra all-gather I→N."""

@@ -67,6 +67,7 @@ class OrderedReducer:
             i = self._next
             grad = self._ready.pop(i)
             self._next += 1
+            self.order[i].prepare_grads()
             if self.order[i].strategy.g == N and not self.sync_gradients:
                 # a local sum, no collective: here, not through the lane (on CPU a thread handoff per unit)
                 self._reduce_and_sync(i, grad, sync=False)
@@ -115,8 +116,6 @@ class OrderedReducer:
         self._ready.clear()
         self._next = 0
         for b in self.order:
-            if b.g_acc is not None:
-                b.g_acc.zero_()
             b.clear_grads()  # a boundary sync of the failed backward may have created some after zero_grad()
         self.used.zero_()
         self._created_grad.clear()

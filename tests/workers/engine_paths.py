@@ -14,7 +14,9 @@ redirection: the wrapper's forward runs training_step, which calls the model aga
 forward_error (a forward that raises inside a block on every rank, that micro-step skipped);
 inference_first (the first forward under inference_mode with communication issued on the calling thread, as on
 CUDA); edit_after_eval (after step 1, an evaluation forward, then every parameter halved in place, as an EMA swap
-or schedule-free's train() does); moved (``.to``, ``.cpu``, ``.float`` between steps; ``.double()`` refused).
+or schedule-free's train() does); moved (``.to``, ``.cpu``, ``.float`` between steps; ``.double()`` refused);
+abandoned_window, abandoned_window_inplace (a window dropped after its first micro-step by a NaN guard:
+zero_grad() with set_to_none True, then False, and no step); zero_grad_inplace (every zero_grad(set_to_none=False)).
 Every case also checks that no module attribute points at freed parameter storage between steps, and that the
 module is freed once dropped.
 """
@@ -49,6 +51,7 @@ STRATEGIES = ["NNN", "NNG", "NGG", "IIG", "GGG"]
 SKIP_STEP = 1  # skipped_step: no optimizer step here; dropped_*: SKIP_RANK leaves out block SKIP_BLOCK here
 SKIP_RANK, SKIP_BLOCK = 1, 1
 PER_RANK = ("dropped_equal", "dropped_unequal", "batchnorm")  # the reference runs each rank's share on its own
+ABANDONED = ("abandoned_window", "abandoned_window_inplace")  # SKIP_STEP's window dropped before its last micro-step
 CHECKPOINT = {"ckpt_nonreentrant_early": False, "ckpt_nonreentrant_late": False, "ckpt_reentrant": True}
 WATCHDOG_S = 150  # a hung collective: dump every thread's stack and exit, before the test's 180 s kill
 
@@ -180,7 +183,7 @@ def skip_of(case: str, step: int, rank: int) -> int | None:
 
 def steps_optimizer(case: str, step: int) -> bool:
     """False where a GradScaler would have found inf: every rank skips optimizer.step() (zero_grad still runs)."""
-    return not (case in ("skipped_step", "backward_error") and step == SKIP_STEP)
+    return not (case in ("skipped_step", "backward_error", *ABANDONED) and step == SKIP_STEP)
 
 
 def skips_micro(case: str, step: int, j: int) -> bool:
@@ -291,6 +294,7 @@ def check_sensitive(case: str, data: list, world: int, ref: Tiny) -> None:
         "forward_error",
         "backward_error",
         "edit_after_eval",
+        *ABANDONED,
     ):
         params = dict(ref.named_parameters())
         other = train_reference(case, data, world, plain=True)
@@ -340,6 +344,8 @@ def train_paro(case: str, code: str, data: list, groups: ParoGroups) -> ParoShar
         for step, micro in enumerate(data):
             broadcasts.append(0)
             for j, (x, y) in enumerate(micro):
+                if case in ABANDONED and step == SKIP_STEP and j == ACCUM - 1:
+                    break  # a NaN guard drops the window: zero_grad() below, no step
                 with model.no_sync() if j < ACCUM - 1 else contextlib.nullcontext():
                     # backward_error: at the boundary micro-step, after the head's and the last block's
                     # reductions went out, a hook at block 0's output raises
@@ -371,7 +377,7 @@ def train_paro(case: str, code: str, data: list, groups: ParoGroups) -> ParoShar
                     loss.backward(retain_graph=case == "retain_graph" and j == 0)
             if steps_optimizer(case, step):
                 opt.step()
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=not case.endswith("inplace"))
             evaluate_then_move(case, step, model, data[0][0][0][local])
             after_step(case, step, inner)
             freed = [f"{type(m).__name__}.{k}" for m in inner.modules() for k, v in vars(m).items()

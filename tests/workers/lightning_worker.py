@@ -6,6 +6,11 @@ Usage: lightning_worker.py OUT_DIR CHECK[,CHECK...]; each check prints "CHECK <n
   resume: paro_IIG for 1 epoch, trainer.save_checkpoint, then ParoStrategy("GGG") resumes with ckpt_path= for the
           second: equal to the 2-epoch DDP run; the consolidated export holds the same weights
   errors: an unknown strategy code and a group size that does not divide fail on every rank with a clear message
+  lifecycle: paro_IIG's fit, then validate, test and predict with the same Trainer and module, and the
+          LightningModule's own state_dict(): equal to DDP's; a second fit continues from the first
+  empty_init: a module built under trainer.init_module(empty_init=True), fit on paro_IIG: equal to DDP from the
+          same initial weights (read when the fit starts)
+  bf16_mixed: precision="bf16-mixed" on paro_IIG against DDP
 """
 
 import os
@@ -17,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 import paro_torch
@@ -52,6 +58,17 @@ class Classifier(L.LightningModule):
         x, y = batch
         return F.cross_entropy(self(x), y)
 
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y), sync_dist=True)
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("test_loss", F.cross_entropy(self(x), y), sync_dist=True)
+
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
     def configure_optimizers(self) -> dict:
         decay = [p for n, p in self.named_parameters() if n.endswith("weight") and "norm" not in n]
         rest = [p for n, p in self.named_parameters() if not (n.endswith("weight") and "norm" not in n)]
@@ -86,12 +103,26 @@ def trainer(strategy: object, epochs: int = EPOCHS, **kw: object) -> L.Trainer:
     )
 
 
-def fit(strategy: object, epochs: int = EPOCHS, ckpt_path: str | None = None) -> tuple[L.Trainer, Classifier]:
+def fit(
+    strategy: object, epochs: int = EPOCHS, ckpt_path: str | None = None, **kw: object
+) -> tuple[L.Trainer, Classifier]:
     L.seed_everything(0, verbose=False)
     module = Classifier()
-    t = trainer(strategy, epochs)
+    t = trainer(strategy, epochs, **kw)
     t.fit(module, data(), ckpt_path=ckpt_path)
     return t, module
+
+
+def whole(state: dict) -> dict[str, torch.Tensor]:
+    """A state dict's values as whole tensors (DTensors gathered by torch's own redistribution)."""
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in state.items()}
+
+
+def evaluate(t: L.Trainer, module: Classifier) -> tuple[float, float, torch.Tensor]:
+    val = t.validate(module, data(), verbose=False)[0]["val_loss"]
+    test = t.test(module, data(), verbose=False)[0]["test_loss"]
+    preds = torch.cat(t.predict(module, data()))
+    return val, test, preds
 
 
 def params(t: L.Trainer, module: Classifier) -> dict[str, torch.Tensor]:
@@ -174,7 +205,76 @@ def check_errors(out: Path) -> None:
     report("errors", " | ".join(m.splitlines()[0][:100] for m in messages))
 
 
-CHECKS = {"train": check_train, "resume": check_resume, "errors": check_errors}
+def check_lifecycle(out: Path) -> None:
+    ref_t, ref_m = fit("ddp")
+    want = params(ref_t, ref_m)
+    want_eval = evaluate(ref_t, ref_m)
+    t, module = fit("paro_IIG")
+    got_eval = evaluate(t, module)  # after fit's teardown, with the same Trainer
+    off = max(abs(got_eval[0] - want_eval[0]), abs(got_eval[1] - want_eval[1]))
+    off_pred = (got_eval[2] - want_eval[2]).abs().max().item()
+    assert off < TOL and off_pred < TOL, f"validate/test losses {off:.3g}, predictions {off_pred:.3g} from DDP's"
+    diff = worst(whole(module.state_dict()), want)
+    assert diff < TOL, f"the LightningModule's state_dict() (its DTensors, whole) differs from DDP's by {diff:.3g}"
+    ref_t2 = trainer("ddp", 2 * EPOCHS)  # a second fit of the same module continues the first
+    ref_t2.fit(ref_m, data())
+    t2 = trainer("paro_IIG", 2 * EPOCHS)
+    t2.fit(module, data())
+    again = worst(params(t2, module), params(ref_t2, ref_m))
+    assert again < 10 * TOL, f"a second fit of the fitted module differs from DDP's by {again:.3g}"
+    report("lifecycle", f"validate, test, predict, state_dict() after fit: {max(off, off_pred, diff):.2e}; "
+           f"second fit {again:.2e}")  # fmt: skip
+
+
+class InitialWeights(L.Callback):
+    """The wrapped model's whole weights when the fit starts (after meta-device materialisation)."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.weights = trainer.strategy.model.full_state_dict()
+
+
+def check_empty_init(out: Path) -> None:
+    L.seed_everything(0, verbose=False)
+    grab = InitialWeights()
+    t = trainer("paro_IIG", callbacks=[grab])
+    with t.init_module(empty_init=True):
+        module = Classifier()
+    assert all(p.is_meta for p in module.parameters())
+    t.fit(module, data())
+    init = grab.weights  # reset_parameters() ran on every module: LayerNorm ones and zeros, Linear random
+    norms = {k: v for k, v in init.items() if ".norm." in k}
+    assert norms and all(torch.equal(v, torch.ones_like(v) if k.endswith("weight") else torch.zeros_like(v))
+                         for k, v in norms.items()), "LayerNorms not initialised"  # fmt: skip
+    assert all(v.std() > 0.01 for k, v in init.items() if k not in norms), "Linear layers not initialised"
+    ref = Classifier()
+    ref.load_state_dict(grab.weights)
+    ref_t = trainer("ddp")
+    ref_t.fit(ref, data())
+    diff = worst(params(t, module), params(ref_t, ref))
+    assert diff < TOL, f"empty_init=True on paro_IIG differs from DDP from the same start by {diff:.3g}"
+    report("empty_init", f"max |diff| {diff:.2e} against DDP from the same initial weights")
+
+
+def check_bf16_mixed(out: Path) -> None:
+    ref_t, ref_m = fit("ddp", precision="bf16-mixed")
+    t, module = fit("paro_IIG", precision="bf16-mixed")
+    diff = worst(params(t, module), params(ref_t, ref_m))
+    moved = worst(params(ref_t, ref_m), params(*fit("ddp")))  # the precision changes the result
+    assert diff < TOL < moved / 100, f"bf16-mixed on paro_IIG differs from DDP by {diff:.3g} (bf16 moves {moved:.3g})"
+    report("bf16_mixed", f"max |diff| {diff:.2e} against DDP (bf16 against fp32: {moved:.2e})")
+
+
+CHECKS = {
+    "train": check_train,
+    "resume": check_resume,
+    "errors": check_errors,
+    "lifecycle": check_lifecycle,
+    "empty_init": check_empty_init,
+    "bf16_mixed": check_bf16_mixed,
+}
 
 
 def main() -> None:
