@@ -2,11 +2,10 @@
 
 [Note: shared lanes] Every ``ParoShardedModule`` built on the same process groups (and device) issues its gathers
 on one lane and its reductions on another (see [Note: lanes] in _lanes.py), each lane with communicators of its
-own: the user's groups for the gathers (and the parameter mesh for DTensor ops on the caller's thread), twins of
-them for the reductions. Sharing the lanes keeps one order per communicator when several modules run at once (a
-model and its teacher, a generator and a discriminator): their calls go out in the order the program issues them,
-which is the same on every rank, as with FSDP2 modules sharing one process group. And the communicators are made
-once per job, not per module.
+own, twins of the user's groups (the parameter mesh has its own, for DTensor ops on the caller's thread). Sharing
+the lanes keeps one order per communicator when several modules run at once (a model and its teacher, a generator
+and a discriminator): their calls go out in the order the program issues them, which is the same on every rank,
+as with FSDP2 modules sharing one process group. And the communicators are made once per job, not per module.
 """
 
 from __future__ import annotations
@@ -29,6 +28,9 @@ class EngineComms:
     groups: ParoGroups
     mesh: DeviceMesh
     """The (intra, inter) mesh of the sharded parameters (DTensors); its groups serve DTensor ops only."""
+    gather_groups: ParoGroups
+    """Twins of ``groups`` for the gather lane: the user's own groups carry none of the engine's collectives, so
+    a collective the user issues on them (in a hook, a metric) never races the lane's."""
     reduce_groups: ParoGroups
     """Twins of ``groups`` for the reduction lane."""
     gather_world: dist.ProcessGroup
@@ -39,6 +41,7 @@ class EngineComms:
     def release(self) -> None:
         """Drops the communicators made for this set: only at exit (see [Note: communicators at exit] in _groups.py)."""
         self.groups.release()
+        self.gather_groups.release()
         self.reduce_groups.release()
         object.__setattr__(self, "gather_world", None)  # frozen for everyone else
 
@@ -54,6 +57,7 @@ def _make(groups: ParoGroups, device: torch.device) -> EngineComms:
     return EngineComms(
         groups=groups,
         mesh=_mesh(groups, device.type),
+        gather_groups=twin_groups(groups),
         reduce_groups=twin_groups(groups),
         gather_world=new_group(list(range(groups.world)), whole_backend),
         gathers=make_lane(device, "paro-gather"),

@@ -107,11 +107,6 @@ class ParoShardedModule(nn.Module):
         param_init_fn: Callable[[nn.Module], None] | None = None,
     ) -> None:
         super().__init__()
-        if ParoShardedModule.of(module) is not None:
-            raise ValueError(
-                f"{type(module).__name__} is wrapped by a ParoShardedModule already (its parameters are shards); "
-                "use that one (ParoShardedModule.of(module)), or wrap a fresh model"
-            )
         self.precision = Precision.of(mixed_precision)
         self.param_dtype = self.precision.param
         m = requested_group_size(group_size, process_groups, device_mesh)
@@ -133,7 +128,7 @@ class ParoShardedModule(nn.Module):
         self.__dict__["_parameters"] = module._parameters
         self.__dict__["_buffers"] = module._buffers
         self.__dict__["_non_persistent_buffers_set"] = module._non_persistent_buffers_set
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.device = _resolve_device(device)
         assignments = assign_units(module, wrap_policy)
         self.cost_blocks = cost_blocks([a[1] for a in assignments], self.groups)
         """The units as the cost model sees them (sizes and padded sizes per granularity)."""
@@ -163,7 +158,7 @@ class ParoShardedModule(nn.Module):
         units = build_units(
             assignments,
             self.strategy,
-            self.groups,
+            comms.gather_groups,
             self.mesh,
             self.precision,
             comms.reduce_groups,
@@ -376,3 +371,13 @@ class ParoShardedModule(nn.Module):
         model's figure); separate float32 masters count with them.
         """
         return stats.memory_stats(self._flat_buffers, optimizer)
+
+
+def _resolve_device(device: torch.device | str | None) -> torch.device:
+    """The device as tensors on it report theirs: the CPU without an index ("cpu:0" is "cpu"), an accelerator with."""
+    d = torch.device(device) if device is not None else torch.device("cpu")
+    if d.type == "cpu":
+        return torch.device("cpu")
+    if d.index is None and d.type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return d

@@ -176,7 +176,7 @@ class ParoTrainer(Trainer):
         None when the dataset cannot be indexed (e.g. an iterable one), or the model is not on the Trainer's
         device, where the engine runs and the probe times it.
         """
-        if any(p.device != torch.device(self.args.device) for p in self.model.parameters()):
+        if any(p.device.type != torch.device(self.args.device).type for p in self.model.parameters()):
             return None
         columns = set(self._signature_columns or ())
         try:

@@ -50,6 +50,8 @@ def test_memory_and_bytes_equal_the_cost_model(world: int, group_size: int) -> N
         ("disagree_model", "ranks disagree"),
         ("int_param", "floating-point"),
         ("tied_across_units", "shared between modules of different units"),
+        ("meta_uninitialised", "nothing initialises ['1.weight']"),
+        ("wrapped_twice", "is a DTensor already: the model was wrapped before"),
     ],
 )
 def test_bad_input_fails_on_every_rank(case: str, message: str) -> None:

@@ -25,6 +25,7 @@ CASES = {
         "retain_graph",  # the first micro-step's backward with retain_graph=True
         "direct_call",  # the inner model called past the wrapper between steps (Hugging Face's and PEFT's generate)
         "nested",  # Lightning's redirection: training_step inside the wrapper's forward calls the model again
+        "user_collectives",  # the user's all-reduces on their own groups in forward and backward hooks
     ],
     "checkpointing": [
         "ckpt_nonreentrant_early",  # torch.utils.checkpoint(use_reentrant=False) around each block

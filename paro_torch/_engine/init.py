@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from paro_torch import _C
 from paro_torch._agree import raise_together
@@ -72,6 +73,12 @@ def validate_everywhere(
         _C.check_topology(world, group_size)
         check_node_layout(group_size)
         for name, p in module.named_parameters():
+            if isinstance(p, DTensor):
+                raise ValueError(
+                    f"parameter {name} is a DTensor already: the model was wrapped before (a ParoShardedModule: use "
+                    "it, ParoShardedModule.of(model)) or sharded by FSDP2 or tensor parallelism; wrap a model of "
+                    "plain tensors"
+                )
             if not p.is_floating_point():
                 raise ValueError(f"parameter {name} has dtype {p.dtype}; paro_torch shards floating-point "
                                  "parameters only: register it as a buffer instead")  # fmt: skip
@@ -108,12 +115,33 @@ def broadcast_from_rank0(tensors: list[torch.Tensor], group: dist.ProcessGroup) 
                 t.copy_(v.view_as(t))
 
 
-def materialize(members: list[nn.Module], device: torch.device, init_fn: Callable[[nn.Module], None] | None) -> None:
+def materialize(
+    members: list[nn.Module],
+    device: torch.device,
+    init_fn: Callable[[nn.Module], None] | None,
+    names: dict[int, str] | None = None,
+) -> None:
     """Gives a unit's modules real (uninitialised) tensors for their meta ones, then initialises each module.
 
     ``init_fn(module)`` (default: its ``reset_parameters()``, where it has one) runs once per module, in order.
-    Tied parameters stay tied.
+    Tied parameters stay tied. Without ``init_fn``, a module with meta tensors and no ``reset_parameters()`` (a
+    custom norm's weight, a rotary table) raises ValueError naming them (``names``: module → qualified name) before
+    anything is allocated: they would keep uninitialised memory.
     """
+    if init_fn is None:
+        bare = [
+            f"{(names or {}).get(id(m), type(m).__name__)}.{n}".lstrip(".")
+            for m in members
+            if not callable(getattr(m, "reset_parameters", None))
+            for n, t in [*m._parameters.items(), *m._buffers.items()]
+            if t is not None and t.is_meta
+        ]
+        if bare:
+            raise ValueError(
+                f"the model is on the meta device and nothing initialises {bare[:6]}{' ...' if len(bare) > 6 else ''}"
+                " (their modules have no reset_parameters()); pass param_init_fn= (called once per module, its "
+                "tensors materialised on the device) or give those modules a reset_parameters()"
+            )
     fresh: dict[int, nn.Parameter] = {}
     for m in members:
         for name, p in m._parameters.items():
@@ -147,9 +175,10 @@ def build_units(
     A unit on the meta device is materialised and initialised first; with ``sync`` it becomes rank 0's.
     """
     units = []
+    names = {id(m): n for n, m in assignments[-1][0].named_modules()} if assignments else {}  # the root's
     for block, entries, members in assignments:
         if any(e[3].is_meta for e in entries) or any(b.is_meta for m in members for b in m.buffers(False)):
-            materialize(members, device, init_fn)
+            materialize(members, device, init_fn, names)
             entries = [(fqn, m, name, m._parameters[name]) for fqn, m, name, _ in entries]
         for m in members:  # buffers live on the parameters' device
             for name, b in m._buffers.items():

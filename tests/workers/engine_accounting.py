@@ -82,7 +82,7 @@ def main() -> None:
             # both sets of the engine's groups (gathers, reductions): the paro backend measures their bytes
             levels = [
                 pg
-                for gs in (model.groups, model._engine.comms.reduce_groups)
+                for gs in (model._engine.comms.gather_groups, model._engine.comms.reduce_groups)
                 for pg in (gs.intra, gs.inter)
                 if pg is not None
             ]

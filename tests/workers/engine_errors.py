@@ -10,6 +10,15 @@ import paro_torch
 from paro_torch import ParoShardedModule
 
 
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
 def main() -> None:
     case = sys.argv[1]
     dist.init_process_group("gloo")
@@ -33,6 +42,11 @@ def main() -> None:
     elif case == "tied_across_units":
         model[1].weight = model[0].weight  # in two units: each Linear is one
         kwargs["wrap_policy"] = {nn.Linear}
+    elif case == "meta_uninitialised":  # a norm without reset_parameters() on the meta device, no param_init_fn
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(4, 4), RMSNorm(4), nn.Linear(4, 2))
+    elif case == "wrapped_twice":
+        ParoShardedModule(model, strategy, **kwargs)
     elif case == "int_param":
         if rank == 0:  # only one rank is wrong: the others must still fail, not wait
             model.register_parameter("step", nn.Parameter(torch.zeros(1, dtype=torch.int64), requires_grad=False))

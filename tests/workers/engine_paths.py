@@ -16,7 +16,9 @@ inference_first (the first forward under inference_mode with communication issue
 CUDA); edit_after_eval (after step 1, an evaluation forward, then every parameter halved in place, as an EMA swap
 or schedule-free's train() does); moved (``.to``, ``.cpu``, ``.float`` between steps; ``.double()`` refused);
 abandoned_window, abandoned_window_inplace (a window dropped after its first micro-step by a NaN guard:
-zero_grad() with set_to_none True, then False, and no step); zero_grad_inplace (every zero_grad(set_to_none=False)).
+zero_grad() with set_to_none True, then False, and no step); zero_grad_inplace (every zero_grad(set_to_none=False));
+user_collectives (the user's own all-reduces on the groups the model was given, in every block's forward hook and
+in backward, while the engine's lanes gather and reduce: the engine uses communicators of its own).
 Every case also checks that no module attribute points at freed parameter storage between steps, and that the
 module is freed once dropped.
 """
@@ -324,6 +326,14 @@ def train_paro(case: str, code: str, data: list, groups: ParoGroups) -> ParoShar
             f"not the inner module's names {want[:4]}...: optimizer groups by name cannot be built"
         )
     opt = make_optimizer(case, model)
+    if case == "user_collectives":
+        user = [pg for pg in (groups.intra, groups.inter, groups.whole) if pg is not None]
+        engine = model._engine
+        lanes = [engine.comms.gather_groups, engine.comms.reduce_groups]
+        shared = [pg for gs in lanes for pg in (gs.intra, gs.inter, gs.whole) if any(pg is u for u in user)]
+        assert not shared, f"{code}: the engine's lanes run collectives on the user's own groups"
+        for block in inner.blocks:
+            block.register_forward_hook(lambda m, a, out: user_all_reduce(user, out))
     late = set_checkpoint_early_stop(False) if case == "ckpt_nonreentrant_late" else contextlib.nullcontext()
     local = slice(rank * BATCH, (rank + 1) * BATCH)
     if case == "inference_first":
@@ -392,6 +402,20 @@ def train_paro(case: str, code: str, data: list, groups: ParoGroups) -> ParoShar
         calls = [b.calls for b in inner.blocks]
         assert calls == [2 * STEPS * ACCUM] * len(calls), f"{code} ({case}): blocks ran {calls} times"
     return model
+
+
+def user_all_reduce(groups: list[dist.ProcessGroup], out: torch.Tensor) -> None:
+    """The user's collectives on the groups they passed, now and when backward reaches ``out``: sums of ones."""
+
+    def reduce_all() -> None:
+        for pg in groups:
+            ones = torch.ones(64)
+            dist.all_reduce(ones, group=pg)
+            assert torch.equal(ones, torch.full((64,), float(dist.get_world_size(pg)))), "a collective mis-paired"
+
+    reduce_all()
+    if out.requires_grad:
+        out.register_hook(lambda grad: reduce_all())
 
 
 def fail_in_forward(module: nn.Module, args: object, out: torch.Tensor) -> None:

@@ -47,7 +47,7 @@ model(torch.randn(2, 4)).sum().backward()
 comms, groups = model._engine.comms, model.groups
 mesh_groups = [comms.mesh.get_group(d) for d in ("intra", "inter")]
 ours = [groups.intra, groups.inter, comms.gather_world, *mesh_groups]
-ours += [comms.reduce_groups.intra, comms.reduce_groups.inter, comms.reduce_groups.whole]
+ours += [pg for gs in (comms.gather_groups, comms.reduce_groups) for pg in (gs.intra, gs.inter, gs.whole)]
 if mode != "module":
     del model
 sys.setswitchinterval(1000.0)  # this thread keeps the GIL until it blocks
