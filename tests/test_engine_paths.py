@@ -27,6 +27,10 @@ CASES = {
         "nested",  # Lightning's redirection: training_step inside the wrapper's forward calls the model again
         "user_collectives",  # the user's all-reduces on their own groups in forward and backward hooks
     ],
+    "input_grads": [
+        "input_grad",  # an adversarial step: autograd.grad of the loss to the inputs, then the perturbed loss
+        "grad_penalty",  # a penalty on the gradient to the inputs, taken with create_graph=True
+    ],
     "checkpointing": [
         "ckpt_nonreentrant_early",  # torch.utils.checkpoint(use_reentrant=False) around each block
         "ckpt_nonreentrant_late",  # ditto under set_checkpoint_early_stop(False)

@@ -79,6 +79,9 @@ class Engine:
         self._sync_params_next = False
         self._synced_since_boundary = False
         self._late_step = False
+        self._inputs_only = False
+        """This backward accumulates into no parameter (see [Note: backward to the inputs])."""
+        self._keep_gathered = False
         self._last_training: bool | None = None
         """The wrapped module's ``training`` at the last forward (see [Note: parameter sync])."""
         master_ids = {id(p) for b in self.flat_buffers if b.trainable for p in b.params}
@@ -182,19 +185,42 @@ class Engine:
 
     # --------------------------------------------------------------------------------------------- backward
     def _start_backward(self) -> None:
-        """At the first hook of a backward: agree on the units it gathers, queue the end-of-backward callback."""
+        """At the first hook of a backward: agree on the units it gathers, queue the end-of-backward callback.
+
+        [Note: backward to the inputs] A backward that accumulates into none of the parameters (``autograd.grad``
+        to the inputs, ``backward(inputs=...)``: adversarial examples, gradient penalties) gathers the units it
+        runs through and reduces nothing: no zeros, no boundary. With ``create_graph`` the units it gathered stay
+        gathered, for the backward through its graph that follows, whose end reshards them. Autograd says which
+        leaves a backward will accumulate into (``_will_engine_execute_node``); every rank runs the same backward.
+        """
         if self._in_backward:
             return
         self._in_backward = True
+        self._inputs_only = not any(
+            torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(leaf).node)
+            for leaf in self._grad_leaves()
+        )
+        self._keep_gathered = self._inputs_only and torch.is_grad_enabled()  # create_graph
         Variable._execution_engine.queue_callback(self._end_backward)
         if self.strategy.p != N:
-            self.schedule.begin_backward()
+            self.schedule.begin_backward(keep=self._inputs_only)
+
+    def _grad_leaves(self) -> Iterator[torch.Tensor]:
+        """The whole-buffer leaves autograd accumulates the trainable parameters' gradients into."""
+        for b in self.reducer.order:
+            leaf = b.full if b.full is not None else b.p_shard
+            if leaf.requires_grad:
+                yield leaf
 
     def _end_backward(self) -> None:
         """Runs once when autograd finishes: reduce unused buffers as zeros, agree on use at a boundary, reshard."""
         self._in_backward = False
         if self.strategy.p != N:
             self.schedule.end_pass()
+        if self._inputs_only:  # see [Note: backward to the inputs]
+            if not self._keep_gathered:
+                self.reset_units()
+            return
         sync = self.reducer.sync_gradients
         if sync:
             self.buffer_sync.note_changes()

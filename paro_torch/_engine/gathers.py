@@ -141,12 +141,16 @@ class GatherSchedule:
             done.set_result(None)
             self._bwd_flags = [(folded, done)]
 
-    def begin_backward(self) -> None:
-        """Backward's pass: the units some rank needs, root first (its output's hook fires first), then reversed."""
+    def begin_backward(self, keep: bool = False) -> None:
+        """Backward's pass: the units some rank needs, root first (its output's hook fires first), then reversed.
+
+        ``keep``: the forwards' agreement stays for the next backward (this one only reaches the inputs).
+        """
         needs = torch.zeros_like(self.needs_bwd)
         for flags, fut in self._bwd_flags:
             fut.result()
             needs |= flags
-        self._bwd_flags.clear()
+        if not keep:
+            self._bwd_flags.clear()
         order = [self.units[-1], *self.units[:-1]]
         self.begin_pass([u for u in order if needs[u.index]])

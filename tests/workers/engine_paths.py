@@ -18,7 +18,9 @@ or schedule-free's train() does); moved (``.to``, ``.cpu``, ``.float`` between s
 abandoned_window, abandoned_window_inplace (a window dropped after its first micro-step by a NaN guard:
 zero_grad() with set_to_none True, then False, and no step); zero_grad_inplace (every zero_grad(set_to_none=False));
 user_collectives (the user's own all-reduces on the groups the model was given, in every block's forward hook and
-in backward, while the engine's lanes gather and reduce: the engine uses communicators of its own).
+in backward, while the engine's lanes gather and reduce: the engine uses communicators of its own); input_grad
+(an adversarial step: torch.autograd.grad of the loss to the inputs, then the loss on the perturbed inputs);
+grad_penalty (the loss plus a penalty on the gradient to the inputs, taken with create_graph=True).
 Every case also checks that no module attribute points at freed parameter storage between steps, and that the
 module is freed once dropped.
 """
@@ -240,6 +242,20 @@ def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, y)
 
 
+def case_loss(case: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, skip: int | None = None) -> torch.Tensor:
+    """The loss of one micro-batch: plain, or through a backward to the inputs first (input_grad, grad_penalty)."""
+    if case == "input_grad":  # per sample, so a rank's slice of the whole batch's perturbation is its own
+        x = x.clone().requires_grad_()
+        (g,) = torch.autograd.grad(loss_fn(model(x, skip=skip), y), x)
+        return loss_fn(model((x + 0.1 * g.sign()).detach(), skip=skip), y)
+    if case == "grad_penalty":
+        x = x.clone().requires_grad_()
+        out = model(x, skip=skip)
+        (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        return loss_fn(out, y) + 0.1 * g.pow(2).sum(1).mean()
+    return loss_fn(model(x, skip=skip), y)
+
+
 def train_reference(case: str, data: list, world: int, steps: int = STEPS, plain: bool = False) -> Tiny:
     """One process, no checkpointing. ``plain``: without the case's twist (to show the twist changes the result).
 
@@ -256,7 +272,7 @@ def train_reference(case: str, data: list, world: int, steps: int = STEPS, plain
             if skips_micro(case, step, j) and not plain:
                 continue
             if case not in PER_RANK:
-                (loss_fn(ref(x), y) / ACCUM).backward()
+                (case_loss("plain" if plain else case, ref, x, y) / ACCUM).backward()
                 continue
             rank0_buffers = None
             for r in range(world):
@@ -296,6 +312,8 @@ def check_sensitive(case: str, data: list, world: int, ref: Tiny) -> None:
         "forward_error",
         "backward_error",
         "edit_after_eval",
+        "input_grad",
+        "grad_penalty",
         *ABANDONED,
     ):
         params = dict(ref.named_parameters())
@@ -375,7 +393,7 @@ def train_paro(case: str, code: str, data: list, groups: ParoGroups) -> ParoShar
                     if case == "nested":  # as Lightning's _ForwardRedirection
                         loss = redirected(model, inner, x[local], y[local], skip_of(case, step, rank)) / ACCUM
                     else:
-                        loss = loss_fn(model(x[local], skip=skip_of(case, step, rank)), y[local]) / ACCUM
+                        loss = case_loss(case, model, x[local], y[local], skip_of(case, step, rank)) / ACCUM
                     if hook is not None:
                         hook.remove()
                         try:
