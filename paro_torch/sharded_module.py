@@ -68,7 +68,8 @@ class ParoShardedModule(nn.Module):
             the model's own forward and backward on it (alone and beside each level's gathers) and AdamW on its
             parameters' shapes, on every rank at once before sharding, for the compute and optimizer throughputs and
             the overlaps (instead of the probe's MLP block and flat tensor, or the calibration's figures). The model
-            must be materialised on ``device`` and fit one unsharded step.
+            must be materialised on ``device``; one whose whole parameters and gradients exceed ``memory_budget`` is
+            not timed (a warning says so) and the stand-in figures plan it.
         sync_module_states: Broadcast rank 0's parameters and buffers (as DDP does; unit by unit), so that ranks
             that built the model with different seeds train one model.
         broadcast_buffers: Before each training forward, make the buffers (e.g. BatchNorm statistics) rank 0's,

@@ -27,10 +27,6 @@ CASES = {
         "nested",  # Lightning's redirection: training_step inside the wrapper's forward calls the model again
         "user_collectives",  # the user's all-reduces on their own groups in forward and backward hooks
     ],
-    "input_grads": [
-        "input_grad",  # an adversarial step: autograd.grad of the loss to the inputs, then the perturbed loss
-        "grad_penalty",  # a penalty on the gradient to the inputs, taken with create_graph=True
-    ],
     "checkpointing": [
         "ckpt_nonreentrant_early",  # torch.utils.checkpoint(use_reentrant=False) around each block
         "ckpt_nonreentrant_late",  # ditto under set_checkpoint_early_stop(False)
@@ -42,14 +38,14 @@ CASES = {
         "buffer_changes",  # a constant buffer, doubled after step 1: broadcast in the first step and after changes
         "meta",  # built on the meta device, initialised unit by unit by param_init_fn
     ],
-    "edits": [
+    "contract": [
         "edit_after_eval",  # after step 1: an evaluation forward, then the parameters halved in place
         "moved",  # .to("cpu"), .cpu(), .float() between steps; .double() refused with the fix
-    ],
-    "zero_grad": [
         "abandoned_window",  # a window dropped after one micro-step (zero_grad(), no step): not carried over
         "abandoned_window_inplace",  # ditto with zero_grad(set_to_none=False)
         "zero_grad_inplace",  # every zero_grad(set_to_none=False)
+        "input_grad",  # an adversarial step: autograd.grad of the loss to the inputs, then the perturbed loss
+        "grad_penalty",  # a penalty on the gradient to the inputs, taken with create_graph=True
     ],
     "errors": [
         "backward_error",  # a backward raises midway on every rank; the step is skipped and training goes on

@@ -68,13 +68,24 @@ def plan_strategy(
         assert parsed is not None
         return Planned(parsed)
     budget = memory_budget if memory_budget is not None else default_memory_budget(groups.group_size)
+    # the model probe runs one unsharded step on every rank: only for a model whose whole parameters and gradients
+    # fit the budget; otherwise the stand-in probe's figures plan it (ranks decide alike: same sizes, same budget)
+    whole = 2 * sum(b["numel"] for b in cost_blocks) * precision.param.itemsize
+    timed = example_inputs is not None and whole <= budget
+    if example_inputs is not None and not timed and groups.rank == 0:
+        logger.warning(
+            "paro: example_inputs are not timed: one unsharded step of the model holds %d bytes of parameters and "
+            "gradients, over the memory budget of %d bytes per rank; the stand-in probe's throughputs plan it",
+            whole,
+            budget,
+        )
     links = (
-        resolve_links(calibration, groups, device, throughputs=example_inputs is None)
+        resolve_links(calibration, groups, device, throughputs=not timed)
         if auto or given
         else LinkCalibration(1e10, 1e9, 1e-5, 1e-5)
     )
     checkpointing = checkpointed(module) if activation_checkpointing is None else activation_checkpointing
-    if example_inputs is not None:
+    if timed:
         assert tokens_per_micro_step is not None  # checked by probe_problem
         # counted as the probe runs: a Trainer turns checkpointing on after wrapping
         flops = model_flops(cost_blocks, groups, tokens_per_micro_step, checkpointed(module))
