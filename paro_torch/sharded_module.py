@@ -216,7 +216,7 @@ class ParoShardedModule(nn.Module):
         engine = self.__dict__.get("_engine")
         if engine is None:  # during construction
             return super()._apply(fn, recurse)
-        engine.wait_idle()
+        engine.settle()
         super()._apply(fn, recurse)
         for b in engine.flat_buffers:
             b.adopt()

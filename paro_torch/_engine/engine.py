@@ -243,8 +243,8 @@ class Engine:
                 "optimizer.step() (and zero_grad()) before the next forward of the model"
             )
 
-    def wait_idle(self) -> None:
-        """Between steps: no gather or reduction in flight, every unit resharded (before ``_apply``)."""
+    def settle(self) -> None:
+        """Before ``_apply``: raises inside a forward or backward (work in flight); reshards every unit."""
         if self._root_depth or self._in_backward:
             raise RuntimeError(
                 "ParoShardedModule: .to()/.cpu()/... inside a forward or backward; call it between steps"

@@ -79,7 +79,8 @@ class FlatBuffer(BufferStorage):
             self._marks, self._carried = None, None
         if self._marks is None:
             self._attached = all(p.grad is None for p in self.params)
-            region = self.g_acc if self._in_grad else torch.zeros(self._master_numel(), device=self.device)
+            assert self._master_region is not None
+            region = self.g_acc if self._in_grad else torch.zeros_like(self._master_region)  # float32, at os
             if self._attached or self._in_grad:
                 old = [p.grad for p in self.params]
                 for p, local in zip(self.params, self._locals(region), strict=True):
@@ -96,10 +97,6 @@ class FlatBuffer(BufferStorage):
             if self._in_grad and self.strategy.os != G:  # its sync is not linear in place: set them aside
                 self._carried = self.g_acc.clone()
                 self.g_acc.zero_()
-
-    def _master_numel(self) -> int:
-        lo, hi = self.range(self.strategy.os)
-        return hi - lo
 
     def _grad_of(self, p: torch.Tensor, local: torch.Tensor) -> DTensor:
         return DTensor.from_local(local, self.mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
