@@ -6,7 +6,7 @@ node (benchmarks/testbed.sh), e.g. 2 x 2 at 1 Gbit/s:
 
     for i in 0 1; do ip netns exec paro-n$i env OMP_NUM_THREADS=1 PARO_GROUP_SIZE=2 GLOO_SOCKET_IFNAME=veth-n$i \\
         PYTHONPATH=. python3 -m torch.distributed.run --nnodes 2 --node-rank $i --nproc-per-node 2 \\
-        --master-addr 10.77.0.1 --master-port 29617 benchmarks/results/busy-latency/busy.py & done; wait
+        --master-addr 10.77.0.1 --master-port 29617 benchmarks/investigations/busy-latency/busy.py & done; wait
 """
 
 import torch

@@ -1,6 +1,6 @@
 """The local memory work of one p = I / G unshard on CPU, without the collective (one process, one thread).
 
-    python3 benchmarks/results/cpu-accounting/unshard_local.py
+    python3 benchmarks/investigations/cpu-accounting/unshard_local.py
 
 What ``FlatBuffer._unshard`` and ``reshard`` do besides the all-gather, for the training benchmark's model (9.6 M
 float32 parameters, 38 MB): a fresh ``whole`` buffer (the gather's output: its first touch is timed here as a copy),

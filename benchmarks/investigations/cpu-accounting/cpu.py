@@ -1,7 +1,7 @@
 """Where a CPU rank's time goes: the model's step alone against the engine's training step, in CPU seconds.
 
     PARO_GROUP_SIZE=2 OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 \\
-        benchmarks/results/cpu-accounting/cpu.py [lora|partial] [NNN]
+        benchmarks/investigations/cpu-accounting/cpu.py [lora|partial] [NNN]
 
 4 CPU ranks as 2 groups of 2 on localhost, the training benchmark's model and scenario. Per rank: the model's
 forward and backward alone (every rank at once, an all-reduce of one number after each, as the probe's ranks share

@@ -4,7 +4,7 @@ Run one torchrun per emulated node (benchmarks/testbed.sh), e.g. 2 x 4 at 1 Gbit
 
     for i in 0 1; do ip netns exec paro-n$i env OMP_NUM_THREADS=1 PARO_GROUP_SIZE=4 GLOO_SOCKET_IFNAME=veth-n$i \\
         PYTHONPATH=. python3 -m torch.distributed.run --nnodes 2 --node-rank $i --nproc-per-node 4 \\
-        --master-addr 10.77.0.1 --master-port 29611 benchmarks/results/probe-rounds/rounds.py 8 & done; wait
+        --master-addr 10.77.0.1 --master-port 29611 benchmarks/investigations/probe-rounds/rounds.py 8 & done; wait
 """
 
 import sys

@@ -1,7 +1,7 @@
 """The model's step timed free (each rank on its own) against in step (a one-element all-reduce after each run).
 
     PARO_GROUP_SIZE=2 OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 \\
-        benchmarks/results/probe-in-step/steps.py [partial|lora|full]
+        benchmarks/investigations/probe-in-step/steps.py [partial|lora|full]
 
 4 CPU ranks on localhost (2 cores), the training benchmark's model and scenario, one micro-batch. Per rank, in ms
 per step: two free timings as the probe took them before de931cb (two warm-up runs, then runs until at least 5 and
