@@ -1,6 +1,7 @@
 """The model probe three times in one launch: the training benchmark's model, 4 CPU ranks as 2 groups of 2.
 
-    PYTHONPATH=. torchrun --standalone --nproc-per-node 4 benchmarks/investigations/probe-repeat/probes.py CALIBRATION.json
+    PYTHONPATH=. torchrun --standalone --nproc-per-node 4 benchmarks/investigations/probe-repeat/probes.py \\
+        benchmarks/investigations/probe-repeat/calibration-2x2-1gbit-ilv.json
 
 ``SC`` picks the scenario (``lora``, the default, ``partial`` or ``full``); ``MIN_S`` times the model's step and
 AdamW for at least that many seconds (the probe's default: 1).
