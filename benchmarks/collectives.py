@@ -3,7 +3,9 @@
 Sets up the testbed (benchmarks/testbed.sh: one network namespace per node, tbf-shaped veth links through a bridge),
 launches one torchrun per node inside its namespace for each backend variant, and collects from the workers
 (benchmarks/_collective_worker.py) the median time per op and the bytes that crossed the inter-node links, read
-from /proc/net/dev inside every node. Writes benchmarks/results/collectives-<K>x<M>-<rate>.{json,md,png}.
+from /proc/net/dev inside every node. Writes the table and plot to
+benchmarks/results/collectives-<K>x<M>-<rate>.{md,png} and the record (config, machine, every rank's times and
+counters) to benchmarks/results/raw/collectives-<K>x<M>-<rate>.json (git-ignored).
 
     sudo python3 benchmarks/collectives.py --nodes 2 --per-node 2 --sizes 1MiB,4MiB --repeats 3 --rate 1gbit
     python3 benchmarks/collectives.py --no-testbed --nodes 2 --per-node 2 --sizes 1MiB   # localhost, no root
@@ -276,7 +278,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--port", type=int, default=29511, help="first master port (testbed mode)")
     ap.add_argument("--timeout", type=int, default=300, help="process-group timeout (s)")
     ap.add_argument("--launch-timeout", type=int, default=900, help="limit per launch (s)")
-    ap.add_argument("--from-json", type=Path, help="only rewrite the .md and .png of an earlier run's JSON")
+    ap.add_argument("--from-json", type=Path, help="only write the .md and .png (in --out-dir) of a run's record")
     args = ap.parse_args(argv)
     args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -297,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.from_json:
         result = json.loads(args.from_json.read_text())
-        write_reports(result, args.from_json.with_name(args.from_json.name.removesuffix(".json")))
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        write_reports(result, args.out_dir / args.from_json.name.removesuffix(".json"))
         return 0
     k, m = args.nodes, args.per_node
     world = k * m
@@ -356,8 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     result["rows"] = summarize(records, not args.no_testbed)
     result["records"] = records
     base = args.out_dir / f"collectives-{tag}"
-    _ext(base, ".json").write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {_ext(base, '.json')} ({result['machine']['wall_s']} s)")
+    raw = args.out_dir / "raw" / f"collectives-{tag}.json"  # the record: every rank's figures (git-ignored)
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    raw.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {raw} ({result['machine']['wall_s']} s)")
     write_reports(result, base)
     return 0
 

@@ -1,4 +1,4 @@
-"""Re-predicts a training benchmark's cells with the installed cost model (issue #15's model development).
+"""Re-predicts a training benchmark's cells with the installed cost model.
 
 A training run records, per cell, the figures its own probe measured (``extra.links``; its overlap figures are
 derived again from the probe's recorded loops where it has them) and the step time it measured. This rebuilds each
@@ -8,7 +8,11 @@ the model can be checked against every measured cell in seconds instead of a new
 with the predictions (and auto's picks) replaced; ``benchmarks/step_model.py`` reports on it. With an unchanged model
 and probe the predictions must equal the recorded ones (``--check``).
 
-    python3 benchmarks/repredict.py results/training-2x2-200mbit-busy.json --out-dir /tmp/re [--check]
+    python3 benchmarks/repredict.py benchmarks/results/raw/training-2x2-1gbit-ilv8.json --out-dir /tmp/re [--check]
+
+It needs a run's record (``training.py`` writes it to ``benchmarks/results/raw/``, git-ignored); the records of the
+runs reported in ``benchmarks/JOURNAL.md`` are in git history (``git show c8abefb:benchmarks/results/NAME.json``),
+one in ``tests/data/``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
-"""The cost model's predicted step time against measured, over training benchmark runs (issue #15's validation).
+"""The cost model's predicted step time against measured, over training benchmark runs.
 
 Reads the JSON files that ``benchmarks/training.py`` wrote (one per cluster shape and link rate, every paro
-strategy and ``auto`` in each scenario) and prints one markdown report: per shape and scenario, how many strategies
+strategy and ``auto`` in each scenario): the records in ``results/raw/`` or the ``.summary.json`` files beside the
+tables (the same report from either), and prints one markdown report: per shape and scenario, how many strategies
 the model predicted within 20 % of their measured step time, its median error, and whether ``auto``'s pick ran within
 5 % of the fastest measured strategy; then every cell.
 
-    python3 benchmarks/step_model.py benchmarks/results/training-2x2-1gbit-step.json ... --out results/step-model.md
+    python3 benchmarks/step_model.py benchmarks/results/training-2x2-1gbit-ilv8.summary.json ... \\
+        --out benchmarks/results/step-model-ilv8.md
 """
 
 from __future__ import annotations
@@ -46,8 +48,12 @@ def report(results: list[dict[str, Any]]) -> str:
         "| auto's own run / fastest |",
         "|---|---|---:|---:|---:|---:|---:|---|---|---:|---:|",
     ]
-    # from the runs, not the files' own "predictions": older files read as the current analysis reads them
-    analyses = [{s: prediction(rows) for s, rows in summarize(result).items()} for result in results]
+    # from the runs, not the files' own "predictions": older files read as the current analysis reads them; a
+    # summary file (training.py's .summary.json) has no runs, only their summary
+    analyses = [
+        {s: prediction(rows) for s, rows in (summarize(result) if "runs" in result else result["summary"]).items()}
+        for result in results
+    ]
     cells = within = 0
     for result, analysis in zip(results, analyses, strict=True):
         for scenario, pc in analysis.items():
@@ -115,7 +121,7 @@ def _f(x: float | None, fmt: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("results", nargs="+", type=Path, help="JSON files of benchmarks/training.py")
+    ap.add_argument("results", nargs="+", type=Path, help="JSON files of benchmarks/training.py (records or summaries)")
     ap.add_argument("--out", type=Path, help="also write the report here")
     args = ap.parse_args()
     text = report([json.loads(p.read_text()) for p in args.results])

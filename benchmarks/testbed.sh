@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Emulated multi-node cluster on one machine (the recipe is in benchmarks/README.md):
+# Emulated multi-node cluster on one machine (the recipe is in benchmarks/README.md, "The emulated cluster"):
 # one network namespace per node (paro-n0 .. paro-n{K-1}), one more (paro-sw) holding a Linux bridge as the
 # switch, a veth pair per node (veth-n<i> inside the node with 10.77.0.<i+1>/24, veth-s<i> on the bridge),
 # MTU 9000 everywhere, lo up, and tc tbf on both ends of every veth so that both directions are shaped.

@@ -7,8 +7,10 @@ its namespace of the testbed, see benchmarks/testbed.sh), from the same initial 
 ``--interleave`` the paro variants of a scenario share one launch and take their measured steps in turns. Per run:
 step time, samples/s, bytes that crossed the inter-node links per step (/proc/net/dev of each node's veth), peak RSS
 per rank, the loss; for paro also the cost model's predicted communication time per step with link figures that
-``paro_torch.calibrate()`` measured on the same testbed at the start. Writes
-benchmarks/results/training-<K>x<M>-<rate>.{json,md} and one .png per scenario.
+``paro_torch.calibrate()`` measured on the same testbed at the start. Writes the tables to
+benchmarks/results/training-<K>x<M>-<rate>.md, one .png per scenario, the per-variant summary (what the tables and
+``step_model.py`` read) to ``.summary.json`` beside them, and the record (every rank's figures, the probes') to
+benchmarks/results/raw/training-<K>x<M>-<rate>.json (git-ignored; ``repredict.py`` reads it).
 
     sudo python3 benchmarks/training.py --nodes 2 --per-node 2 --rate 1gbit --repeats 2
     python3 benchmarks/training.py --no-testbed --steps 3 --scenarios lora --only paro:IIG,ddp   # localhost, no root
@@ -380,7 +382,7 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
     return cov / (vx * vy) ** 0.5 if vx > 0 and vy > 0 else None
 
 
-TOLERANCE = 0.20  # the step model's target: predicted within 20 % of measured (issue #15)
+TOLERANCE = 0.20  # the step model's target: predicted within 20 % of measured
 AUTO_SLACK = 0.05  # auto's pick within 5 % of the fastest measured strategy
 STEP_PARTS = ("compute_s", "exposed_intra_s", "exposed_inter_s", "exposed_global_s", "interference_s", "optimizer_s")
 
@@ -669,14 +671,19 @@ def plot(result: dict[str, Any], base: Path) -> list[Path]:
     return paths
 
 
-def write_reports(result: dict[str, Any], base: Path) -> None:
-    """Summaries, predictions, <base>.json, <base>.md and the plots; prints the markdown."""
+SUMMARY_KEYS = ("machine", "link", "config", "calibration", "summary")
+
+
+def write_reports(result: dict[str, Any], base: Path, raw: Path) -> None:
+    """Summaries and predictions into ``raw`` (the record); <base>.summary.json, <base>.md and the plots."""
     result["summary"] = summarize(result)
     result["predictions"] = {s: prediction(rows) for s, rows in result["summary"].items()}
-    ext(base, ".json").write_text(json.dumps(result, indent=1) + "\n")
+    raw.write_text(json.dumps(result, indent=1) + "\n")
+    summary = {k: result[k] for k in SUMMARY_KEYS if k in result}  # the predictions follow from it (prediction())
+    ext(base, ".summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     md = markdown(result)
     ext(base, ".md").write_text(md)
-    print(f"wrote {ext(base, '.json')}, {ext(base, '.md')}")
+    print(f"wrote {raw}, {ext(base, '.summary.json')}, {ext(base, '.md')}")
     for p in plot(result, base):
         print(f"wrote {p}")
     print("\n" + md)
@@ -712,7 +719,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--port", type=int, default=29611, help="first master port (testbed mode)")
     ap.add_argument("--timeout", type=int, default=180, help="process-group timeout (s)")
     ap.add_argument("--run-timeout", type=int, default=600, help="limit per launch (s); past it the run fails")
-    ap.add_argument("--from-json", type=Path, help="only rewrite the .md and .png of an earlier run's JSON")
+    ap.add_argument("--from-json", type=Path, help="only write the .md, .png and .summary.json of a run's record")
     ap.add_argument("--interleave", action="store_true",
                     help="the paro variants of a scenario in one launch, their steps in turns (auto first: its probe "
                          "plans them all); no peak memory figures")  # fmt: skip
@@ -743,7 +750,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.from_json:
         result = json.loads(args.from_json.read_text())
-        write_reports(result, args.from_json.with_name(args.from_json.name.removesuffix(".json")))
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        write_reports(result, args.out_dir / args.from_json.name.removesuffix(".json"), args.from_json)
         return 0
     if not args.no_testbed and not require_root("training.py"):
         return 2
@@ -752,7 +760,9 @@ def main(argv: list[str] | None = None) -> int:
     tag = f"{k}x{m}-{'localhost' if args.no_testbed else args.rate}" + (f"-{args.suffix}" if args.suffix else "")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     base = args.out_dir / f"training-{tag}"
-    logdir = args.out_dir / "raw" / f"training-{tag}"
+    logdir = args.out_dir / "raw" / f"training-{tag}"  # worker configs, the calibration, per-node logs
+    raw = ext(logdir, ".json")  # the record (git-ignored, as raw/ is)
+    logdir.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
         "machine": machine_info(("transformers", "deepspeed", "peft")),
         "link": link_info(k, args.rate, args.no_testbed),
@@ -804,13 +814,13 @@ def main(argv: list[str] | None = None) -> int:
                         for run in runs:
                             print(f"{stamp()} {done}/{total} {scenario} r{rep + 1} {run['variant']}: {describe(run)}"
                                   + (f"; about {eta:.0f} min to go" if done < total else ""), flush=True)  # fmt: skip
-                        ext(base, ".json").write_text(json.dumps(result, indent=1) + "\n")  # progress, if stopped
+                        raw.write_text(json.dumps(result, indent=1) + "\n")  # progress, if stopped
     finally:
         result["machine"]["loadavg_at_end"] = os.getloadavg()
         result["machine"]["wall_s"] = round(time.time() - t_start, 1)
         if result["runs"]:
-            ext(base, ".json").write_text(json.dumps(result, indent=1) + "\n")
-    write_reports(result, base)
+            raw.write_text(json.dumps(result, indent=1) + "\n")
+    write_reports(result, base, raw)
     return 0
 
 

@@ -10,10 +10,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # an interleaved LoRA run at 2 x 2 / 1 Gbit/s (auto and three strategies), recorded by the cost model and the probe as
 # they are now (96d1e01): every paro cell and auto's pick must come out as recorded, the overlap figures derived again
-# from the probe's recorded loops. A change to the model or the probe records it again (as root, ~4 min):
+# from the probe's recorded loops. A change to the model or the probe records it again (as root, ~4 min), then copy
+# the raw record here (cp benchmarks/results/raw/training-2x2-1gbit-rec.json tests/data/):
 #   python3 benchmarks/training.py --nodes 2 --per-node 2 --rate 1gbit --scenarios lora \
 #     --only 'paro:auto,paro:NNN,paro:IIG,paro:NGG' --interleave --repeats 1 --steps 8 --suffix rec
-RECORDED = ROOT / "benchmarks" / "results" / "training-2x2-1gbit-rec.json"
+RECORDED = ROOT / "tests" / "data" / "training-2x2-1gbit-rec.json"
 
 
 def repredict(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict]:
