@@ -146,7 +146,7 @@ def _level(
     From two all-gather sizes, and a reduce-scatter of the larger one (its latency taken as the small gather's);
     with ``all_reduce``, an all-reduce of the larger one too (its latency twice the small gather's; else None). The
     engine's only large all-reduce is the inter-group one of t_syncg: on the emulated cluster's Gloo it moves its
-    bytes 1.12-1.23x as fast as an all-gather (benchmarks/README.md, "The all-reduce across groups").
+    bytes 1.12-1.23x as fast as an all-gather (benchmarks/JOURNAL.md, "The all-reduce across groups").
     """
     if pg is None:
         return _NO_LINK, 0.0, _NO_LINK, _NO_LINK if all_reduce else None
@@ -177,7 +177,7 @@ def _mean_seconds(
     With a group, every run ends in a one-element all-reduce over it, as training's collectives hold the ranks
     together, and every rank runs the same count: ranks that run free drift apart, and the first done leaves the
     others the cores (on 2 cores, 4 ranks timing a model's step free read 6-28 % below the same step in step:
-    benchmarks/README.md, "The compute probe in step").
+    benchmarks/JOURNAL.md, "The compute probe in step").
     """
     flag = torch.zeros(1, device=device)
 
@@ -205,7 +205,7 @@ def _unpack_step(nbytes: int, device: torch.device, copies: int = 4) -> tuple[Ca
 
     As the engine's unshard makes them, each re-grows a freed storage (the unshard's ``full``), copies the gathered
     buffer into it and frees it again: on the CPU the re-grown storage may fault its pages in again
-    (benchmarks/README.md, "The unshard's copy-out").
+    (benchmarks/JOURNAL.md, "The unshard's copy-out").
     """
     whole = torch.zeros(max(nbytes // 4, 1), device=device)
     full = torch.empty_like(whole)
@@ -460,12 +460,12 @@ def measure_links(
 
     The links are probed in ``rounds`` rounds, each figure the median over them: one round can read far off (at
     2 x 4 on 2 cores, the training benchmark's probes read the intra-group bandwidth 98-333 MB/s between launches,
-    and eight rounds in one launch 127-351 MB/s, the first round the lowest: benchmarks/results/probe-rounds/).
+    and eight rounds in one launch 127-351 MB/s, the first round the lowest: benchmarks/investigations/probe-rounds/).
 
     On ranks that share cores the small gather's time after a barrier includes the ranks' skew, which training's
-    collectives pay too: its median over 21 repeats and over ranks (0.2-0.5 ms where this read 1-24 ms) made the
-    predictions of the strategies with many collectives per step 17-41 % low at 2 x 2 / 200 Mbit/s
-    (benchmarks/results/step-model-200mbit.md).
+    collectives pay too: its median over 21 repeats and over ranks (0.48 ms between groups where this read 23.6 ms)
+    made the predictions of the strategies with p = I or G 17-41 % low at 2 x 2 / 200 Mbit/s
+    (benchmarks/JOURNAL.md, "2 x 2 at 200 Mbit/s, two launches per cell").
     """
     if rounds < 1:
         raise ValueError(f"measure_links: rounds={rounds}; probe at least one round")
@@ -611,13 +611,12 @@ def probe_model(
     the ranks in step (``_mean_seconds``), one before the overlap probe and one after it (the overlap loops' own
     timings of the step run free and read low). Overlap: ``measure_overlap`` with that step as the compute, in
     loops of at least ``overlap_steps`` steps (a model step is often longer than the default loop; at 2 x 2 on 2
-    cores, loops of one 0.3 s step read an intra-group slowdown of 2.3 to 9.0 between launches of one configuration,
-    loops of two 3.0 to 5.1: benchmarks/README.md, "Probe loop length"). Optimizer: AdamW over zero
-    tensors shaped as the model's trainable parameters (the first ones, up to 2^22 elements), since how fast it runs
-    depends on the tensors' sizes as well as their total. Every rank runs
-    at once, as in training; all get the ranks' mean seconds (see ``_ranks_mean``). With ``dtype`` (mixed
-    precision's compute dtype) the model runs under autocast to it. Random state and the parameters' values,
-    gradients and buffers are as before.
+    cores the intra-group slowdown read 2.3 to 9.0 over 16 launches with the default loops, 3.0 to 5.1 over 8 with
+    loops five times as long: benchmarks/JOURNAL.md, "Probe loop length and the switch interval"). Optimizer: AdamW
+    over zero tensors shaped as the model's trainable parameters (the first ones, up to 2^22 elements), since how fast
+    it runs depends on the tensors' sizes as well as their total. Every rank runs at once, as in training; all get
+    the ranks' mean seconds (see ``_ranks_mean``). With ``dtype`` (mixed precision's compute dtype) the model runs
+    under autocast to it. Random state and the parameters' values, gradients and buffers are as before.
     """
     if isinstance(example_inputs, dict):
         args, kwargs = (), example_inputs

@@ -101,7 +101,7 @@ impl GpuPreset {
             intra_reduce_scatter_slowdown: None,
             inter_reduce_scatter_slowdown: None,
             // the engine's copy-out after each parameter gather is left out: unmeasured on GPUs so far (where paro
-            // runs, the link probe measures it; benchmarks/README.md, "The unshard's copy-out")
+            // runs, the link probe measures it; benchmarks/JOURNAL.md, "The unshard's copy-out")
             unpack_bandwidth: None,
             shared_cores: false,
         })

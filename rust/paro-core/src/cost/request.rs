@@ -108,7 +108,7 @@ pub struct Cluster {
     /// `paro_torch` sets it for CPU ranks). Then a collective's work done beside compute is compute's loss one for
     /// one, whatever `intra_overlap` and `inter_overlap` say (as if both were 0), and a collective runs at its speed
     /// alone while compute waits for it: the ranks run the same schedule, so the ranks that share its cores wait for
-    /// it too. On the emulated cluster this fits the measured steps best (benchmarks/README.md, "Shared cores:
+    /// it too. On the emulated cluster this fits the measured steps best (benchmarks/JOURNAL.md, "Shared cores:
     /// collectives take their work from compute").
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub shared_cores: bool,
@@ -183,8 +183,9 @@ pub enum CollectiveAlgorithm {
 pub struct Selection {
     /// The model's stated uncertainty between strategies: step times within this fraction of the fastest are a
     /// tie, which less memory breaks (default 0.01 = 1%). Wider ties cost speed: the lightest of near-equal
-    /// strategies reduces more often, and on the emulated cluster it measured slower (over 19 scenarios `auto` came
-    /// within 5% of the fastest in 16 with 1%, 7 with 5%; benchmarks/README.md, "Shared cores").
+    /// strategies reduces more often, and on the emulated cluster it measured slower (over 26 scenario launches
+    /// `auto` came within 5% of the fastest in 21 with a 1% tie, 20 with none, 11 with 5%; benchmarks/JOURNAL.md,
+    /// "Shared cores: collectives take their work from compute").
     pub time_tolerance: f64,
 }
 
