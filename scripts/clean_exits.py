@@ -1,4 +1,4 @@
-"""Runs multi-rank workers many times in a row and counts the runs in which any rank exited non-zero (issue #14).
+"""Runs multi-rank workers many times in a row and counts the runs in which any rank exited non-zero (clean exits).
 
     python scripts/clean_exits.py --runs 50            # every case below, 50 runs each
     python scripts/clean_exits.py --runs 10 --only fsdp2,no_destroy

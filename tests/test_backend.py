@@ -41,7 +41,7 @@ def test_a_script_without_destroy_process_group_exits_cleanly() -> None:
 
 
 def test_the_worker_thread_never_frees_a_callers_tensor() -> None:
-    """The cause of the exit abort (issue #14): a tensor freed on the worker while the interpreter exits."""
+    """The cause of the abort at exit (clean exits): a tensor freed on the worker while the interpreter exits."""
     out = assert_ok(launch("tensor_lifetimes.py", 4, env={"PARO_GROUP_SIZE": "2"}))
     assert "all freed on the main thread" in out, out
 

@@ -1,7 +1,7 @@
-"""Faults lose nothing (issue #14, item 3): a rank killed with SIGKILL in forward, backward, the optimizer step or
-a checkpoint save ends the job with an error on every other rank within the process-group timeout, and the last
-complete checkpoint resumes training exactly as an uninterrupted run; under ``torchrun --max-restarts 1`` the
-example resumes by itself."""
+"""Faults lose nothing (docs/checkpoints.md, "When a rank dies"): a rank killed with SIGKILL in forward, backward,
+the optimizer step or a checkpoint save ends the job with an error on every other rank within the process-group
+timeout, and the last complete checkpoint resumes training exactly as an uninterrupted run; under
+``torchrun --max-restarts 1`` the example resumes by itself."""
 
 import os
 import signal

@@ -134,6 +134,6 @@ def expect_error(fn: object, text: str) -> None:
 if __name__ == "__main__":
     main()
     # skip the interpreter's teardown: an intermittent "terminate called without an active exception" there
-    # (issue #14, seen here with plain Gloo groups) would fail a run whose checks all passed
+    # (a clean-exit failure, seen here with plain Gloo groups) would fail a run whose checks all passed
     sys.stdout.flush()
     os._exit(0)

@@ -192,7 +192,7 @@ def check_sub_backends_borrow(rank: int, world: int) -> None:
     """While a collective is in flight, the sub-backends hold no reference to the caller's tensors.
 
     Gloo releases a finished collective's tensors on its own thread after wait() returns; a tensor owned by a
-    Python object and released there while the interpreter exits aborts the process (issue #14). Rank 0 starts
+    Python object and released there while the interpreter exits aborts the process (clean exits). Rank 0 starts
     each collective and looks at its tensors' storage while the other ranks are still asleep.
     """
     calls = {  # name: (output numel, call(input, output))

@@ -1,4 +1,4 @@
-"""Collectives still in flight on the engine's communicators when the interpreter exits (issue #14: clean exits).
+"""Collectives still in flight on the engine's communicators when the interpreter exits (clean exits).
 
 Gloo runs a collective on a thread of its own, which drops its reference to the tensors when the collective is done.
 When Python dropped them first, that drop is the last one and takes the GIL; once the interpreter finalizes, a

@@ -1,5 +1,5 @@
 """A rank killed (SIGKILL) mid-step or mid-save ends the job with an error on every other rank; the last complete
-checkpoint then resumes training exactly as an uninterrupted run (issue #14, item 3).
+checkpoint then resumes training exactly as an uninterrupted run (docs/checkpoints.md, "When a rank dies").
 
 Usage: faults.py ENGINE PHASE DIR
   ENGINE: paro (ParoShardedModule, IIG) or ddp (DistributedDataParallel), both on the ``paro`` backend

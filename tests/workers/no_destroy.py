@@ -1,5 +1,5 @@
 """A user script that never calls destroy_process_group: HSDP (FSDP2) on ``paro``, then async collectives whose
-tensors are dropped before the interpreter exits. It must exit 0 (issue #14: clean exits)."""
+tensors are dropped before the interpreter exits. It must exit 0 (clean exits)."""
 
 import torch
 import torch.distributed as dist

@@ -1,4 +1,4 @@
-"""Observability of ``paro`` collectives (issue #14, item 5).
+"""Observability of ``paro`` collectives (docs/backend.md, "Profiling, debugging and errors").
 
 ``trace``: every collective is a torch.profiler event ``paro:<op>`` with its input shapes and sequence number, and
 each plan step an event ``paro:<level>:<kind>`` with its sizes; the group's sequence number counts collectives.

@@ -1,4 +1,4 @@
-"""The ``paro`` backend's worker thread never frees a caller's tensor (issue #14: clean exits).
+"""The ``paro`` backend's worker thread never frees a caller's tensor (clean exits).
 
 Freeing a tensor whose Python object has died takes the GIL; a thread that does so while the interpreter exits
 ends inside a noexcept destructor and the process aborts ("terminate called without an active exception"). Each
