@@ -5,7 +5,8 @@
 4 ranks as 2 groups of 2 (on a cluster: PARO_GROUP_SIZE defaults to torchrun's ranks per node). The model
 is a LlamaForCausalLM from a small config (random weights, nothing downloaded) trained on the bytes of this
 repository's documentation. Each step prints the loss, the step time and the bytes this rank sent inside its
-group (intra) and between groups (inter), as counted by the `paro` backend. ``--checkpoint DIR`` saves a
+group (intra) and between groups (inter) as the engine counts them (``model.comm_bytes()``: each collective by the
+ring formula, as the cost model counts it; not measured on the wire). ``--checkpoint DIR`` saves a
 sharded checkpoint at the end (and every ``--save-every`` steps) and resumes from it when it exists, at any world
 size and strategy. Batches depend only on the step and the rank, so a resumed run trains exactly as an
 uninterrupted one; under ``torchrun --max-restarts 1`` a job whose rank died resumes by itself (with torch 2.15, set

@@ -56,7 +56,7 @@ def _rank_pid(rank: int, script: str) -> int | None:
 def _torchrun_example(ckpt: Path, *extra: str) -> subprocess.Popen:
     # torch 2.15's torchrun shares its rendezvous store with the workers; a restarted attempt then reads the dead
     # attempt's Gloo addresses and fails ("connectFullMesh failed ... Connection refused"). This switch gives every
-    # attempt a store of its own (README, "When a rank dies").
+    # attempt a store of its own (docs/checkpoints.md, "Restarting under torchrun").
     env = dict(os.environ, PARO_GROUP_SIZE="2", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     args = ("--strategy", "IIG", "--steps", "30", "--save-every", "2", "--layers", "2", "--dim", "32", "--seq", "16",
