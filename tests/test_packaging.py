@@ -244,7 +244,8 @@ def make():
     return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8), nn.Linear(8, 4))
 
 
-x, y = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(1)), torch.randn(4 * world, 4)
+g = torch.Generator().manual_seed(1)
+x, y = torch.randn(4 * world, 8, generator=g), torch.randn(4 * world, 4, generator=g)
 ref = make()
 nn.functional.mse_loss(ref(x), y).backward()
 torch.optim.SGD(ref.parameters(), lr=0.1).step()
@@ -268,7 +269,9 @@ def _target_dir() -> Path:
 
 def _build_wheel(source: Path, out: Path) -> Path:
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-index", "-w", out, source]
-    env = _clean_env(CARGO_TARGET_DIR=str(_target_dir()))
+    # maturin's backend runs the maturin installed beside this Python (as scripts/setup.sh's build does)
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    env = _clean_env(CARGO_TARGET_DIR=str(_target_dir()), PATH=path)
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     (wheel,) = out.glob("paro_torch-*.whl")
@@ -320,26 +323,33 @@ def _check_wheel(wheel: Path) -> None:
 def _install_and_run(wheel: Path, venv: Path, site: Path) -> None:
     """Installs ``wheel`` into a new torch-only environment; runs ``paro plan``, the 4-rank step, and an import
     under a pretended other torch minor."""
+    t = [time.monotonic()]
     python = _venv(venv, site)
     install = [sys.executable, "-m", "pip", "--python", python, "install", "--no-index", "--no-build-isolation", wheel]
     done = subprocess.run(install, capture_output=True, text=True, env=_clean_env())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "Requirement already satisfied: torch" in done.stdout, done.stdout  # the pin holds for this torch
+    t.append(time.monotonic())
     run = venv / "run"  # not the checkout: its paro_torch must not be the one imported
     run.mkdir()
     env = _clean_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     plan = subprocess.run([venv / "bin" / "paro", "plan", "--model", "llama-7b", "--nodes", "2", "--group-size", "8"],
                           cwd=run, capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
     assert plan.returncode == 0 and "IIG" in plan.stdout, plan.stdout[-2000:] + plan.stderr[-2000:]
+    t.append(time.monotonic())
     (run / "step.py").write_text(STEP)
     cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "step.py"]
     step = subprocess.run(cmd, cwd=run, capture_output=True, text=True, env=env, timeout=300)
     assert step.returncode == 0 and "STEP OK" in step.stdout, step.stdout[-3000:] + step.stderr[-6000:]
+    t.append(time.monotonic())
     pretend = "import torch; torch.__version__ = '2.0.0'; import paro_torch"
     refused = subprocess.run([python, "-c", pretend], cwd=run, capture_output=True, text=True, env=env)
     assert refused.returncode != 0, refused
     assert f"built against torch {torch.__version__}, but torch 2.0.0 is installed" in refused.stderr, refused.stderr
     assert "pip install --no-build-isolation" in refused.stderr, refused.stderr
+    t.append(time.monotonic())
+    phases = ("environment and install", "paro plan", "4-rank step", "refused import")
+    print(f"{wheel.name}: " + ", ".join(f"{p} {b - a:.0f} s" for p, a, b in zip(phases, t, t[1:], strict=True)))
 
 
 @pytest.mark.slow

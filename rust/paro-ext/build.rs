@@ -54,7 +54,12 @@ fn probe(python: &str, torch_dir: Option<&str>) -> Torch {
     if let Some(wanted) = torch_dir {
         let wanted = Path::new(wanted).canonicalize().unwrap_or_else(|_| PathBuf::from(wanted));
         let found = dir.canonicalize().unwrap_or_else(|_| dir.clone());
-        assert!(found == wanted, "paro-torch: PARO_TORCH_DIR={} but {python} imports torch from {}", wanted.display(), found.display());
+        assert!(
+            found == wanted,
+            "paro-torch: PARO_TORCH_DIR={} but {python} imports torch from {}",
+            wanted.display(),
+            found.display()
+        );
     }
     Torch { dir, version: lines[1].into(), cxx11_abi: lines[2].into(), py_include: PathBuf::from(lines[3]) }
 }
