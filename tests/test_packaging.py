@@ -349,7 +349,7 @@ def _install_and_run(wheel: Path, venv: Path, site: Path) -> None:
     assert "pip install --no-build-isolation" in refused.stderr, refused.stderr
     t.append(time.monotonic())
     phases = ("environment and install", "paro plan", "4-rank step", "refused import")
-    print(f"{wheel.name}: " + ", ".join(f"{p} {b - a:.0f} s" for p, a, b in zip(phases, t, t[1:], strict=True)))
+    print(f"{wheel.name}: " + ", ".join(f"{p} {b - a:.0f} s" for p, a, b in zip(phases, t[:-1], t[1:], strict=True)))
 
 
 @pytest.mark.slow
