@@ -267,11 +267,11 @@ def _target_dir() -> Path:
     return Path(os.environ.get("CARGO_TARGET_DIR") or ROOT / "target")
 
 
-def _build_wheel(source: Path, out: Path) -> Path:
+def _build_wheel(source: Path, out: Path, target: Path | None = None) -> Path:
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-index", "-w", out, source]
     # maturin's backend runs the maturin installed beside this Python (as scripts/setup.sh's build does)
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    env = _clean_env(CARGO_TARGET_DIR=str(_target_dir()), PATH=path)
+    env = _clean_env(CARGO_TARGET_DIR=str(target or _target_dir()), PATH=path)
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     (wheel,) = out.glob("paro_torch-*.whl")
@@ -289,13 +289,17 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     sdist = tmp / done.stdout.split()[-1]
     wheel = _build_wheel(ROOT, tmp / "wheel")
     t1 = time.monotonic()
-    # unpacked at a fixed place in the target directory: a rerun finds its crates' artifacts there
-    src = _target_dir() / "sdist-check"
+    # Cargo identifies the sdist's crates with the checkout's (their paths relative to the workspace agree): with the
+    # same target directory it reuses what it compiled for the checkout wherever the sdist's copy of every file it
+    # tracks (the Rust sources; the C++ ones, through build.rs) is there and not newer; a missing one is a rebuild,
+    # which then fails. PARO_SDIST_FROM_SCRATCH=1 builds the sdist in a target directory of its own instead.
+    scratch = os.environ.get("PARO_SDIST_FROM_SCRATCH") == "1"
+    src = tmp / "sdist-src" if scratch else _target_dir() / "sdist-check"
     shutil.rmtree(src, ignore_errors=True)
     with tarfile.open(sdist) as tar:
         tar.extractall(src, filter="data")
     (unpacked,) = src.iterdir()
-    from_sdist = _build_wheel(unpacked, tmp / "from-sdist")
+    from_sdist = _build_wheel(unpacked, tmp / "from-sdist", tmp / "sdist-target" if scratch else None)
     print(f"built the sdist and the wheel in {t1 - t0:.0f} s, a wheel from the sdist in {time.monotonic() - t1:.0f} s")
     site = _linked_site(["torch"], tmp / "torch-site")
     return {"tmp": tmp, "sdist": sdist, "wheel": wheel, "from_sdist": from_sdist, "torch_site": site}
@@ -375,6 +379,10 @@ def test_the_sdist_builds_installs_and_trains(built: dict[str, Path]) -> None:
     top = pkg_info.split("/")[0]
     needed = ["pyproject.toml", "Cargo.toml", "Cargo.lock", "LICENSE", "build_backend/paro_build.py"]
     needed += ["rust/paro-ext/build.rs", "rust/paro-ext/cpp/paro_backend.cc", "paro_torch/__init__.py"]
+    versioned = subprocess.run(["git", "ls-files", "rust", "paro_torch", "build_backend"], cwd=ROOT,
+                               capture_output=True, text=True)  # fmt: skip
+    if versioned.returncode == 0:  # every versioned source of the build (not a git checkout: the list above only)
+        needed += versioned.stdout.split()
     missing = [n for n in needed if f"{top}/{n}" not in names]
     assert not missing, (missing, names)
     assert not [n for n in names if n.endswith(".so")], names

@@ -67,13 +67,15 @@ fn probe(python: &str, torch_dir: Option<&str>) -> Torch {
 fn main() {
     let python = env::var("PYO3_PYTHON").unwrap_or_else(|_| "python3".into());
     let torch = probe(&python, env::var("PARO_TORCH_DIR").ok().as_deref());
-    let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    // read at run time: a build script compiled for one copy of the sources may be reused for another (an unpacked
+    // sdist sharing the target directory), and env!() would point it at the first copy's C++ files
+    let crate_dir = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
 
     let mut build = cxx_build::bridge("src/bridge.rs");
     build
         .file(crate_dir.join("cpp/paro_backend.cc"))
         .file(crate_dir.join("cpp/handoff.cc"))
-        .include(crate_dir) // the sources include "cpp/..."
+        .include(&crate_dir) // the sources include "cpp/..."
         .include(torch.dir.join("include"))
         .include(torch.dir.join("include/torch/csrc/api/include"))
         .include(&torch.py_include)
