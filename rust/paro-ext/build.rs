@@ -14,16 +14,16 @@ use std::env;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// Run by the target Python: prints torch's directory, version and C++ ABI flag, then Python's include directory.
+/// Run by the target Python: one line with torch's directory, version and C++ ABI flag, and Python's include
+/// directory, behind a tag (whatever importing torch prints is skipped).
 const PROBE: &str = r#"
 import os, sys, sysconfig
 if len(sys.argv) > 1:
     sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[1])))
 import torch
-print(os.path.dirname(os.path.abspath(torch.__file__)))
-print(torch.__version__)
-print(int(torch._C._GLIBCXX_USE_CXX11_ABI))
-print(sysconfig.get_paths()["include"])
+found = [os.path.dirname(os.path.abspath(torch.__file__)), torch.__version__,
+         str(int(torch._C._GLIBCXX_USE_CXX11_ABI)), sysconfig.get_paths()["include"]]
+print("\n" + "\t".join(["paro-probe", *found]))
 "#;
 
 struct Torch {
@@ -38,8 +38,9 @@ fn probe(python: &str, torch_dir: Option<&str>) -> Torch {
     cmd.args(["-c", PROBE]).args(torch_dir);
     let out = cmd.output().unwrap_or_else(|e| panic!("paro-torch: cannot run {python}: {e}"));
     let stdout = String::from_utf8_lossy(&out.stdout);
-    let lines: Vec<&str> = stdout.lines().map(str::trim).collect();
-    if !out.status.success() || lines.len() < 4 {
+    let found = stdout.lines().rev().find_map(|line| line.strip_prefix("paro-probe\t"));
+    let fields: Vec<&str> = found.map(|f| f.split('\t').collect()).unwrap_or_default();
+    if !out.status.success() || fields.len() != 4 {
         let stderr = String::from_utf8_lossy(&out.stderr);
         let why = stderr.lines().last().unwrap_or("no output");
         panic!(
@@ -50,7 +51,7 @@ fn probe(python: &str, torch_dir: Option<&str>) -> Torch {
              (or set PARO_TORCH_DIR to a torch package directory)"
         );
     }
-    let dir = PathBuf::from(lines[0]);
+    let dir = PathBuf::from(fields[0]);
     if let Some(wanted) = torch_dir {
         let wanted = Path::new(wanted).canonicalize().unwrap_or_else(|_| PathBuf::from(wanted));
         let found = dir.canonicalize().unwrap_or_else(|_| dir.clone());
@@ -61,7 +62,7 @@ fn probe(python: &str, torch_dir: Option<&str>) -> Torch {
             found.display()
         );
     }
-    Torch { dir, version: lines[1].into(), cxx11_abi: lines[2].into(), py_include: PathBuf::from(lines[3]) }
+    Torch { dir, version: fields[1].into(), cxx11_abi: fields[2].into(), py_include: PathBuf::from(fields[3]) }
 }
 
 fn main() {
