@@ -1,11 +1,12 @@
 """Packaging: the stubs against the extension; the wheel and the sdist, each installed into a virtual environment
 that has only torch, where ``paro plan`` and a 4-rank training step run; the build backend's refusals.
 
-The slow tests build the wheel once from this checkout (in place, so with CI's cargo target directory warm from
-scripts/setup.sh's editable build it is a re-link and a re-pack) and the sdist once, then build a wheel from the
-unpacked sdist, which is what ``pip install paro-torch-X.tar.gz`` does, with this Python (torch and maturin are
-here; another interpreter would rebuild pyo3) and the same target directory (the sdist's own crates and C++ are
-compiled, not the dependencies). The environments are ``venv --without-pip`` ones whose only other packages are torch
+The slow tests build the wheel once from this checkout (in place: with CI's cargo target directory warm from
+scripts/setup.sh's editable build, cargo finds everything fresh and maturin re-packs) and the sdist once, then build
+a wheel from the unpacked sdist, which is what ``pip install paro-torch-X.tar.gz`` does, with this Python (torch and
+maturin are here; another interpreter would rebuild pyo3) and the same target directory, where cargo reuses what is
+fresh for the sdist's files too (see ``built``; PARO_SDIST_FROM_SCRATCH=1 compiles it all again, about a minute on
+2 idle cores). The environments are ``venv --without-pip`` ones whose only other packages are torch
 and its requirements, linked (see ``_linked_site``), not copied; pip installs the wheel alone into them from here
 (``pip --python``), then ``pip check`` says whether that torch meets the wheel's pinned requirement.
 """
