@@ -1,7 +1,10 @@
-"""Type stubs for the compiled extension (rust/paro-ext/src/lib.rs)."""
+"""Type stubs for the compiled extension (rust/paro-ext/src/lib.rs); tests/test_packaging.py checks them against it."""
 
+from collections.abc import Callable
 from typing import Any
 
+__version__: str
+TORCH_VERSION: str  # the torch the extension was compiled against
 STRATEGIES: list[str]
 ALIASES: list[tuple[str, str]]
 GPU_PRESETS: list[str]
@@ -67,6 +70,8 @@ def create_backend(
     intra: Any | None,
     inter: Any | None,
     flat: Any,
+    device_key: int = -1,
 ) -> Any: ...
+def set_device_factory(factory: Callable[[int, str], tuple[Any | None, Any | None, Any]]) -> None: ...
 def backend_stats(backend: Any) -> list[list[int]]: ...
 def reset_backend_stats(backend: Any) -> None: ...

@@ -7,6 +7,7 @@ the strategy.
 
 import torch  # noqa: F401  (loads libtorch before the extension that links it)
 
+import paro_torch._torch_check  # noqa: F401  (refuses another torch minor, before the extension loads)
 from paro_torch import _C  # noqa: F401  (the compiled core)
 from paro_torch._backend import CommStats, ParoBackendOptions, comm_stats, register, reset_comm_stats
 from paro_torch._C import ALIASES, STRATEGIES, InvalidStrategyError, Strategy, TopologyError
@@ -31,4 +32,4 @@ __all__ = [
     "reset_comm_stats",
 ]
 
-__version__ = "0.1.0"
+__version__: str = _C.__version__  # the Cargo workspace's version, as the package metadata's

@@ -11,6 +11,10 @@ use pyo3::prelude::*;
 pyo3::create_exception!(paro_torch, InvalidStrategyError, PyValueError, "A strategy code or alias that PaRO rejects.");
 pyo3::create_exception!(paro_torch, TopologyError, PyValueError, "World size, group size or rank that do not fit.");
 
+/// The torch this extension was compiled against (build.rs), behind a marker: `import paro_torch` finds it in this
+/// file's bytes, without loading the file, to refuse another torch minor with a clear message.
+const BUILT_WITH_TORCH: &str = concat!("paro-torch-built-with torch==", env!("PARO_TORCH_VERSION"), "\n");
+
 fn to_py(e: ParoError) -> PyErr {
     match e {
         ParoError::UnknownStrategy(..) | ParoError::EliminatedStrategy { .. } => {
@@ -298,5 +302,7 @@ fn _C(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_device_factory, m)?)?;
     m.add_function(wrap_pyfunction!(backend_stats, m)?)?;
     m.add_function(wrap_pyfunction!(reset_backend_stats, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("TORCH_VERSION", BUILT_WITH_TORCH.trim_end().rsplit("==").next().unwrap_or_default())?;
     Ok(())
 }
