@@ -26,6 +26,9 @@ CASES = {
         "direct_call",  # the inner model called past the wrapper between steps (Hugging Face's and PEFT's generate)
         "nested",  # Lightning's redirection: training_step inside the wrapper's forward calls the model again
         "user_collectives",  # the user's all-reduces on their own groups in forward and backward hooks
+        "reversed",  # blocks run last to first, not in registration order (gathers and reductions in run order)
+        "two_forwards",  # two forwards, one backward (chosen and rejected, as reward models train)
+        "dormant",  # a block unused on every rank for two steps, then used on one rank only, then on all
     ],
     "checkpointing": [
         "ckpt_nonreentrant_early",  # torch.utils.checkpoint(use_reentrant=False) around each block
@@ -71,3 +74,10 @@ def test_meta_device_model_wraps_within_shards_plus_a_unit() -> None:
     env = {"PARO_GROUP_SIZE": "2", "MALLOC_MMAP_THRESHOLD_": "131072"}  # freed buffers leave the resident set
     out = assert_ok(launch("engine_meta_memory.py", 4, env=env, args=("GGG,IIG,NNG",), timeout=300))
     print(out)
+
+
+def test_memory_follows_the_run_on_common_shapes() -> None:
+    """Measured peak memory (resident set) of a UNet run out of registration order, a vision tower no rank runs and
+    a block one rank skips, against a chain of as many blocks, in GGG and IIG (see tests/workers/engine_memory.py)."""
+    env = {"PARO_GROUP_SIZE": "2", "MALLOC_MMAP_THRESHOLD_": "131072"}  # freed buffers leave the resident set
+    print(assert_ok(launch("engine_memory.py", 4, env=env, args=("GGG,IIG",), timeout=400)))

@@ -52,7 +52,7 @@ class BufferSync:
             lane.submit(init.broadcast_from_rank0, due, group).result()
             self._versions = [b._version for b in self.buffers]
 
-    def agreed(self, changed_anywhere: torch.Tensor) -> None:
+    def agreed(self, changed_anywhere: list[int]) -> None:
         """At a boundary: the buffers some rank changed are due in the next step."""
         self._due = [bool(c) for c in changed_anywhere]
         self.changed = [False] * len(self.buffers)

@@ -138,6 +138,8 @@ class Engine:
                 unit.set_views()
             return
         unit.state = TrainingState.FORWARD
+        if self._root_grad:
+            self.schedule.record_run(unit)
         self.schedule.acquire(unit, self._in_backward)
         unit.set_views()
 
@@ -196,21 +198,26 @@ class Engine:
         if self._in_backward:
             return
         self._in_backward = True
-        self._inputs_only = not any(
-            torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(leaf).node)
-            for leaf in self._grad_leaves()
-        )
+        reached = {id(b) for b, leaf in self._grad_leaves() if will_execute(leaf)}
+        self._inputs_only = not reached
         self._keep_gathered = self._inputs_only and torch.is_grad_enabled()  # create_graph
         Variable._execution_engine.queue_callback(self._end_backward)
+        later, self.schedule.ran_without_grad = self.schedule.ran_without_grad, set()
         if self.strategy.p != N:
             self.schedule.begin_backward(keep=self._inputs_only)
+            if not self._inputs_only:
+                self.reducer.set_sequence(self.schedule.reduce_order())
+        if not self._inputs_only:  # see [Note: reduction order]
+            self.reducer.absent(
+                [b for b in self.reducer.order if id(b) not in reached and self.reducer.unit_of(b).index not in later]
+            )
 
-    def _grad_leaves(self) -> Iterator[torch.Tensor]:
+    def _grad_leaves(self) -> Iterator[tuple[FlatBuffer, torch.Tensor]]:
         """The whole-buffer leaves autograd accumulates the trainable parameters' gradients into."""
         for b in self.reducer.order:
             leaf = b.full if b.full is not None else b.p_shard
             if leaf.requires_grad:
-                yield leaf
+                yield b, leaf
 
     def _end_backward(self) -> None:
         """Runs once when autograd finishes: reduce unused buffers as zeros, agree on use at a boundary, reshard."""
@@ -224,15 +231,19 @@ class Engine:
         sync = self.reducer.sync_gradients
         if sync:
             self.buffer_sync.note_changes()
-        tail = torch.tensor([*self.buffer_sync.changed, self._late_step], dtype=torch.int64, device=self.device)
-        flags = self.reducer.finish(tail)
+        keys = self.schedule.run_keys if self.strategy.p == N else []  # see [Note: run order]
+        flags = self.reducer.finish([*keys, *self.buffer_sync.changed, self._late_step])
         self.reset_units()
         if not sync:
             return
-        used = len(self.reducer.order)
-        late = bool(flags[-1])
-        self.buffer_sync.agreed(flags[used:-1])  # see [Note: buffer broadcast]
-        self.reducer.after_boundary(flags[:used])
+        used, ordered = len(self.reducer.order), len(keys)
+        values = flags.tolist()  # one device-to-host copy per boundary
+        late = bool(values[-1])
+        self.buffer_sync.agreed(values[used + ordered : -1])  # see [Note: buffer broadcast]
+        self.reducer.after_boundary(values[:used])
+        if any(values[used : used + ordered]):
+            self.schedule.set_run_order(values[used : used + ordered])
+            self.reducer.set_sequence(self.schedule.reduce_order())
         self._sync_params_next = True
         self._synced_since_boundary = False
         self._late_step = False
@@ -312,6 +323,8 @@ class Engine:
         self._root_grad = torch.is_grad_enabled()
         self.schedule.begin_forward()
         root.state = TrainingState.FORWARD
+        if self._root_grad:
+            self.schedule.record_run(root)
         self.schedule.acquire(root, self._in_backward)
         root.set_views()
 
@@ -361,6 +374,11 @@ class Engine:
             out = generate(*args, **kwargs)
             self.root_exit(None)
         return out
+
+
+def will_execute(leaf: torch.Tensor) -> bool:
+    """Whether the backward now running accumulates into ``leaf`` (autograd's own plan)."""
+    return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(leaf).node)
 
 
 def cast_floats(tree: Any, dtype: torch.dtype) -> Any:

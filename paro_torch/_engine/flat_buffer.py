@@ -119,18 +119,22 @@ class FlatBuffer(BufferStorage):
         self.grad_ready = True
         self.on_grad_ready(self, grad)
 
-    def reduce(self, grad: torch.Tensor) -> None:
-        """One micro-step: reduces the natural-layout gradient to g's layout and accumulates it.
+    def reduce(self, grad: torch.Tensor | None) -> None:
+        """One micro-step: reduces the natural-layout gradient (None: zeros) to g's layout and accumulates it.
 
         Nothing for g = N, an intra-group reduce-scatter for I, then an inter-group one for G. The engine runs
         it on its reduction lane, so it overlaps the backward of the units before this one.
         """
         assert self.g_acc is not None
         if self.strategy.g == N:  # reduced at the boundary only (sync_grad)
-            self.g_acc.add_(self.to_blocks(grad))
+            if grad is not None:
+                self.g_acc.add_(self.to_blocks(grad))
             return
         # in reduce_dtype, divided by n in two factors around the sums (as FSDP), so fp16 neither over- nor underflows
-        x = self.to_blocks(grad.to(self.precision.reduce) / self._pre)
+        if grad is None:  # this rank's share of a gradient other ranks have: zeros, made at the blocked size
+            x = torch.zeros(self.padded, dtype=self.precision.reduce, device=self.device)
+        else:
+            x = self.to_blocks(grad.to(self.precision.reduce) / self._pre)
         x = reduce_scatter(x, self.rgroups.intra, self.rledger, "intra")
         if self.strategy.g == G:
             x = reduce_scatter(x, self.rgroups.inter, self.rledger, "inter")

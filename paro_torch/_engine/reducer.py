@@ -1,11 +1,13 @@
 """Gradient reductions in one fixed order on every rank, on the reduction lane.
 
-[Note: reduction order] Reductions go out in one fixed order on every rank (units in reverse definition order,
-which is backward order for a stack of blocks, root last), whatever order autograd completes them in: a gradient
-that completes early waits for those before it. A buffer whose gradient never came (its unit was skipped on this
-rank) is reduced as zeros when backward ends, so the result is the mean over ranks with zeros where unused, as
-DDP's find_unused_parameters. Which buffers were used is agreed at each boundary (one small all-reduce after the
-reductions): one unused on every rank keeps its gradient None, as in single-process training.
+[Note: reduction order] Reductions go out in one order on every rank (the reverse of the agreed run order, root
+last: see [Note: run order] in gathers.py), whatever order autograd completes them in: a gradient that completes
+early waits for those before it. A buffer whose gradient will not come (autograd's plan for this backward does
+not reach it, and its unit did not run under a reentrant checkpoint, whose backward is a separate one) is reduced
+as zeros at its turn, from the start of backward, so the gradients after it do not wait for the end; the result
+is the mean over ranks with zeros where unused, as DDP's find_unused_parameters. Which buffers were used is
+agreed at each boundary (one small all-reduce after the reductions): one unused on every rank keeps its gradient
+None, as in single-process training.
 """
 
 from __future__ import annotations
@@ -33,14 +35,36 @@ class OrderedReducer:
         self.order = [b for u in units for b in u.buffers if b.trainable]
         self._index = {id(b): i for i, b in enumerate(self.order)}
         self._unit_of = {id(b): u for u in units for b in u.buffers}
+        self.sequence = list(range(len(self.order)))
+        """Indices into ``order`` in the order reductions go out (see [Note: reduction order])."""
+        self._turn = {i: i for i in self.sequence}
         self._pending: list[Handle[None]] = []
         self._ready: dict[int, torch.Tensor | None] = {}
         self._next = 0
-        self.used = torch.zeros(len(self.order), dtype=torch.int64, device=device)
+        self._device = device
+        self.used = [0] * len(self.order)
         """Per trainable buffer: whether its gradient came on this rank since the last boundary."""
         self._created_grad: set[int] = set()
         self.overlapped_syncs = 0
         """Boundary gradient syncs queued during backward, as each buffer's gradient completed."""
+
+    def unit_of(self, buffer: FlatBuffer) -> Unit:
+        return self._unit_of[id(buffer)]
+
+    def set_sequence(self, units: list[Unit]) -> None:
+        """The order reductions go out in from the next backward on: the buffers of ``units`` in that order."""
+        assert not self._ready and self._next == 0, "the reduction order changes only between backwards"
+        self.sequence = [self._index[id(b)] for u in units for b in u.buffers if b.trainable]
+        self._turn = {i: k for k, i in enumerate(self.sequence)}
+
+    def absent(self, buffers: list[FlatBuffer]) -> None:
+        """Buffers whose gradient will not come in this backward: reduced as zeros at their turn.
+
+        Queued with the next gradient that completes, about when the other ranks queue theirs, rather than now:
+        a reduction waits for every rank, and holds its buffers meanwhile.
+        """
+        for b in buffers:
+            self._ready.setdefault(self._index[id(b)], None)
 
     def grad_ready(self, buffer: FlatBuffer, grad: torch.Tensor) -> None:
         """A buffer's gradient is complete: queue the reductions now due in the fixed order.
@@ -49,7 +73,7 @@ class OrderedReducer:
         without sync only sums locally, which ``flush`` does in place.
         """
         i = self._index[id(buffer)]
-        if i in self._ready or i < self._next:
+        if i in self._ready or self._turn[i] < self._next:
             raise RuntimeError(
                 f"paro_torch: the gradient of the unit holding {buffer.slots[0].fqn} completed twice in one "
                 "backward; a unit's parameters must reach the loss through one backward pass per micro-step"
@@ -63,8 +87,8 @@ class OrderedReducer:
 
     def flush(self) -> None:
         """Queues every reduction whose turn has come."""
-        while self._next in self._ready:
-            i = self._next
+        while self._next < len(self.sequence) and self.sequence[self._next] in self._ready:
+            i = self.sequence[self._next]
             grad = self._ready.pop(i)
             self._next += 1
             self.order[i].prepare_grads()
@@ -75,37 +99,36 @@ class OrderedReducer:
             self._pending.append(self.lane.submit(self._reduce_and_sync, i, grad, self.sync_gradients))
             self.overlapped_syncs += self.sync_gradients
 
+
     def _reduce_and_sync(self, i: int, grad: torch.Tensor | None, sync: bool) -> None:
         buffer = self.order[i]
-        buffer.reduce(
-            grad if grad is not None else torch.zeros(buffer.numel, dtype=buffer.param_dtype, device=buffer.device)
-        )
+        buffer.reduce(grad)
         if sync and buffer.sync_grad():
             self._created_grad.add(i)
 
-    def finish(self, tail: torch.Tensor) -> torch.Tensor:
+    def finish(self, tail: list[int]) -> torch.Tensor:
         """At the end of backward: reduce the buffers that got no gradient as zeros, wait for every reduction.
 
         Returns this rank's use flags followed by ``tail``; at a boundary summed over all ranks.
         """
-        for i in range(self._next, len(self.order)):
+        for i in self.sequence[self._next :]:
             self._ready.setdefault(i, None)  # unused on this rank in this micro-step
         self.flush()
         self._next = 0
-        flags = torch.cat([self.used, tail])
+        flags = torch.tensor([*self.used, *tail], dtype=torch.int64, device=self._device)
         if self.sync_gradients:
             self._pending.append(self.lane.submit(dist.all_reduce, flags, group=self._comms.reduce_groups.whole))
         while self._pending:
             self._pending.pop(0).result()
         return flags
 
-    def after_boundary(self, used: torch.Tensor) -> None:
+    def after_boundary(self, used: list[int]) -> None:
         """Gradients of buffers unused on every rank in the window stay None, as in one process."""
         for i in self._created_grad:
             if used[i] == 0:
                 self.order[i].clear_grads()
         self._created_grad.clear()
-        self.used.zero_()
+        self.used = [0] * len(self.order)
 
     def drop(self) -> None:
         """After a failed backward: waits out what was issued and drops every gradient since the last boundary."""
@@ -117,5 +140,5 @@ class OrderedReducer:
         self._next = 0
         for b in self.order:
             b.clear_grads()  # a boundary sync of the failed backward may have created some after zero_grad()
-        self.used.zero_()
+        self.used = [0] * len(self.order)
         self._created_grad.clear()

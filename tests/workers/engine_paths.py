@@ -2,9 +2,10 @@
 
 Usage: engine_paths.py CASE[,CASE...] [STRATEGY ...] (cases in one process, one after another); world 4 as 2
 groups of 2 (PARO_GROUP_SIZE=2). CASE in: fused, foreach, sgd, adam_l2 (optimizers); skipped_step (a
-GradScaler-style skipped optimizer step); dropped_equal, dropped_unequal
-(a block unused on one rank for one step); ckpt_nonreentrant_early, ckpt_nonreentrant_late, ckpt_reentrant
-(activation checkpointing); retain_graph; batchnorm (buffers); seeds (ranks built with different seeds);
+GradScaler-style skipped optimizer step); dropped_equal, dropped_unequal (a block unused on one rank for one
+step); reversed (blocks run last to first); two_forwards (two forwards, one backward); dormant (a block unused
+everywhere, then on one rank only); ckpt_nonreentrant_early, ckpt_nonreentrant_late, ckpt_reentrant (activation
+checkpointing); retain_graph; batchnorm (buffers); seeds (ranks built with different seeds);
 buffer_changes (a buffer the forward uses, constant but for one change between steps: broadcast only when changed);
 param_groups (optimizer groups by the original parameter names); meta (built on the meta device, initialised by
 param_init_fn unit by unit); backward_error (a backward that raises midway on every rank, the step skipped);
@@ -54,7 +55,8 @@ TOL = 1e-5
 STRATEGIES = ["NNN", "NNG", "NGG", "IIG", "GGG"]
 SKIP_STEP = 1  # skipped_step: no optimizer step here; dropped_*: SKIP_RANK leaves out block SKIP_BLOCK here
 SKIP_RANK, SKIP_BLOCK = 1, 1
-PER_RANK = ("dropped_equal", "dropped_unequal", "batchnorm")  # the reference runs each rank's share on its own
+# the reference runs each rank's share on its own
+PER_RANK = ("dropped_equal", "dropped_unequal", "dormant", "batchnorm")
 ABANDONED = ("abandoned_window", "abandoned_window_inplace")  # SKIP_STEP's window dropped before its last micro-step
 CHECKPOINT = {"ckpt_nonreentrant_early": False, "ckpt_nonreentrant_late": False, "ckpt_reentrant": True}
 WATCHDOG_S = 150  # a hung collective: dump every thread's stack and exit, before the test's 180 s kill
@@ -89,6 +91,7 @@ class Tiny(nn.Module):
         # seeds: a random buffer the forward uses, so a rank that keeps its own buffers computes other gradients
         self.register_buffer("shift", torch.randn(DIM) if shift else None)
         self.use_reentrant: bool | None = None  # None: no activation checkpointing
+        self.reverse = False  # run the blocks last to first (not in registration order)
 
     def forward(self, x: torch.Tensor, skip: int | None = None) -> torch.Tensor:
         if self.shift is not None:
@@ -96,7 +99,8 @@ class Tiny(nn.Module):
         x = self.inp(x)
         if self.bn is not None:
             x = self.bn(x)
-        for i, b in enumerate(self.blocks):
+        blocks = list(enumerate(self.blocks))
+        for i, b in reversed(blocks) if self.reverse else blocks:
             if i == skip:
                 continue
             # as HF's gradient checkpointing: the whole block call (its hooks included) is checkpointed
@@ -141,6 +145,7 @@ def make(case: str, seed: int = 0, device: str = "cpu") -> Tiny:
     hidden = (2 * DIM, 3 * DIM) if case == "dropped_unequal" else (2 * DIM, 2 * DIM)
     with torch.device(device):
         model = Tiny(hidden, bn=case == "batchnorm", shift=case in ("seeds", "buffer_changes"))
+    model.reverse = case == "reversed"
     if case == "meta" and device != "meta":
         init = init_by_name(model)
         for m in model.modules():
@@ -182,7 +187,9 @@ def make_optimizer(case: str, model: nn.Module) -> torch.optim.Optimizer:
 def skip_of(case: str, step: int, rank: int) -> int | None:
     """The block this rank's forward leaves out (both micro-steps of SKIP_STEP, on SKIP_RANK only)."""
     dropped = case.startswith("dropped") and step == SKIP_STEP and rank == SKIP_RANK
-    return SKIP_BLOCK if dropped else None
+    # dormant: unused on every rank in steps 0 and 1, used on rank 0 only in step 2, everywhere in step 3
+    dormant = case == "dormant" and (step < 2 or step == 2 and rank != 0)
+    return SKIP_BLOCK if dropped or dormant else None
 
 
 def steps_optimizer(case: str, step: int) -> bool:
@@ -253,6 +260,9 @@ def case_loss(case: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, ski
         out = model(x, skip=skip)
         (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
         return loss_fn(out, y) + 0.1 * g.pow(2).sum(1).mean()
+    if case == "two_forwards":  # two forwards, one backward (chosen and rejected, as reward models train)
+        h = len(x) // 2
+        return (loss_fn(model(x[:h], skip=skip), y[:h]) + loss_fn(model(x[h:], skip=skip), y[h:])) / 2
     return loss_fn(model(x, skip=skip), y)
 
 
@@ -306,6 +316,7 @@ def check_sensitive(case: str, data: list, world: int, ref: Tiny) -> None:
         "skipped_step",
         "dropped_equal",
         "dropped_unequal",
+        "dormant",
         "param_groups",
         "batchnorm",
         "buffer_changes",
