@@ -92,9 +92,9 @@ void check_reduce_op(const c10d::ReduceOp& op, const at::Tensor& t) {
 // their own threads, after wait() has returned here. Had they been given the caller's tensors, the last
 // reference to a tensor owned by a Python object could drop on such a thread while the interpreter exits;
 // taking the GIL there ends the thread inside a noexcept destructor, and the process aborts with
-// "terminate called without an active exception" (issue #14). A borrowed tensor frees nothing when dropped;
-// the request that borrowed it keeps the real tensors alive until its plan has finished, and is dropped on a
-// caller's thread (see ParoBackend::Queue).
+// "terminate called without an active exception" (docs/checkpoints.md, "Clean exits"). A borrowed tensor frees
+// nothing when dropped; the request that borrowed it keeps the real tensors alive until its plan has finished,
+// and is dropped on a caller's thread (see ParoBackend::Queue).
 at::Tensor borrowed(const at::Tensor& t) {
   if (!t.defined() || !t.device().is_cpu()) return t;  // device collectives run on the caller's thread
   if (t.numel() == 0) return at::empty(t.sizes(), t.options());
@@ -240,7 +240,7 @@ struct ParoBackend::Task {
 // The worker never drops a reference to a caller's tensor: a tensor whose Python object has died while the
 // request still held it is freed by taking the GIL, and a thread that takes the GIL while the interpreter exits
 // ends inside a noexcept destructor: the process aborts with "terminate called without an active exception"
-// (issue #14; measured: 17 % of the outputs of `all_gather_into_tensor(async_op=True)` followed by wait() were
+// (clean exits; measured: 17 % of the outputs of `all_gather_into_tensor(async_op=True)` followed by wait() were
 // freed on the worker). A finished request is retired instead, and the retired ones are dropped on a caller's
 // thread: the next request's (enqueue), a waiter's (ParoWork::wait) or the destructor's.
 struct ParoBackend::Queue {
