@@ -156,6 +156,8 @@ class ParoShardedModule(nn.Module):
         comms = engine_comms(self.groups, self.device)  # see [Note: shared lanes] in _comms.py
         self.mesh = comms.mesh
         """The (intra, inter) mesh of the sharded parameters (DTensors); its groups serve DTensor ops only."""
+        self.startup_received = {"intra": 0, "inter": 0, "whole": 0}
+        """Bytes of rank 0's values this rank received at construction, per level (see [Note: start-up scatter])."""
         units = build_units(
             assignments,
             self.strategy,
@@ -166,6 +168,7 @@ class ParoShardedModule(nn.Module):
             self.device,
             sync_module_states,
             param_init_fn,
+            self.startup_received,
         )
         self.__dict__["_engine"] = Engine(
             module, units, self.strategy, comms, self.precision, self.device, broadcast_buffers

@@ -36,8 +36,9 @@ class FlatBuffer(BufferStorage):
         on_grad_ready: Callable[[FlatBuffer, torch.Tensor], None] | None = None,
         reduce_groups: ParoGroups | None = None,
         device: torch.device | None = None,
+        received: tuple[int, torch.Tensor] | None = None,
     ) -> None:
-        super().__init__(slots, values, strategy, groups, mesh, trainable, precision, device)
+        super().__init__(slots, values, strategy, groups, mesh, trainable, precision, device, received)
         self.rledger = Ledger()
         """Reductions and t_syncg (the reduction lane)."""
         self.rgroups = reduce_groups or groups

@@ -16,7 +16,7 @@ from paro_torch import _C
 from paro_torch._agree import raise_together
 from paro_torch._backend import check_node_layout, resolve_group_size
 from paro_torch._engine.flat_buffer import FlatBuffer
-from paro_torch._engine.layout import ParamSlot
+from paro_torch._engine.layout import BufferLayout, G, I, N, ParamSlot
 from paro_torch._engine.units import Assignment, Unit
 from paro_torch._groups import ParoGroups
 from paro_torch.api import Precision
@@ -115,6 +115,54 @@ def broadcast_from_rank0(tensors: list[torch.Tensor], group: dist.ProcessGroup) 
                 t.copy_(v.view_as(t))
 
 
+def scatter_from_rank0(
+    layout: BufferLayout, values: list[torch.Tensor], p: str, dtype: torch.dtype, received: dict[str, int]
+) -> tuple[int, torch.Tensor]:
+    """This rank's range of rank 0's values of one buffer, blocked: (offset, values), in ``dtype``.
+
+    [Note: start-up scatter] Each rank receives only what it keeps: rank 0 scatters the I-chunks (blocked at the
+    buffer's level) inside its group, and each of its group's ranks passes its chunk along its rail to the other
+    groups, whole (p = I, N) or as the G-blocks each rank keeps (p = G); at p = N each group then all-gathers its
+    chunks. A rank outside group 0 receives Psi / m over the slow link for p = I and N and Psi / n for p = G,
+    where a broadcast from rank 0 sends every rank the whole model. ``received`` adds up the bytes this rank
+    received, per level.
+    """
+    g = layout.groups
+    size = layout.padded // g.group_size  # an I-chunk
+    chunk = torch.empty(size, dtype=dtype, device=layout.device)
+    if g.group_index == 0:
+        if g.rank == 0:
+            parts = [v.detach().reshape(-1) for v in values]
+            whole = layout._pack(parts, 0, layout.padded, dtype)
+            chunks = list(whole.split(size))
+        if g.intra is not None:
+            dist.scatter(chunk, chunks if g.rank == 0 else None, src=0, group=g.intra)
+            received["intra"] += 0 if g.rank == 0 else chunk.numel() * chunk.element_size()
+        else:
+            chunk = chunks[0]
+    if p == G:
+        keep = torch.empty(size // g.num_groups, dtype=dtype, device=layout.device)
+        if g.inter is not None:
+            src = dist.get_global_rank(g.inter, 0)
+            dist.scatter(keep, list(chunk.split(keep.numel())) if g.group_index == 0 else None, src=src, group=g.inter)
+            received["inter"] += 0 if g.group_index == 0 else keep.numel() * keep.element_size()
+        else:
+            keep = chunk
+        return layout.range(G)[0], keep
+    if g.inter is not None:
+        dist.broadcast(chunk, src=dist.get_global_rank(g.inter, 0), group=g.inter)
+        received["inter"] += 0 if g.group_index == 0 else chunk.numel() * chunk.element_size()
+    if p == I:
+        return layout.range(I)[0], chunk
+    whole = torch.empty(layout.padded, dtype=dtype, device=layout.device)  # p = N
+    if g.intra is not None:
+        dist.all_gather_into_tensor(whole, chunk, group=g.intra)
+        received["intra"] += (whole.numel() - chunk.numel()) * whole.element_size()
+    else:
+        whole.copy_(chunk)
+    return 0, whole
+
+
 def materialize(
     members: list[nn.Module],
     device: torch.device,
@@ -169,10 +217,12 @@ def build_units(
     device: torch.device,
     sync: bool,
     init_fn: Callable[[nn.Module], None] | None,
+    received: dict[str, int],
 ) -> list[Unit]:
     """Shards unit by unit, so that no rank holds more than the shards and one whole unit.
 
-    A unit on the meta device is materialised and initialised first; with ``sync`` it becomes rank 0's.
+    A unit on the meta device is materialised and initialised first; with ``sync`` it becomes rank 0's, and
+    ``received`` adds up the bytes of rank 0's values this rank received, per level ("intra", "inter", "whole").
     """
     units = []
     names = {id(m): n for n, m in assignments[-1][0].named_modules()} if assignments else {}  # the root's
@@ -184,9 +234,13 @@ def build_units(
             for name, b in m._buffers.items():
                 if b is not None and b.device != device:
                     m._buffers[name] = b.to(device)
-        if sync:
+        if sync:  # parameters scattered below, where they are laid out in blocks
             own = [b for m in members for b in m.buffers(False)]
-            broadcast_from_rank0([e[3] for e in entries] + own, groups.whole)
+            blocked = strategy.os != N  # a trainable buffer's level is os, a frozen one's p
+            whole = [e[3] for e in entries if not (blocked if e[3].requires_grad else strategy.p != N)]
+            broadcast_from_rank0(whole + own, groups.whole)
+            if whole:
+                received["whole"] += sum(t.numel() * t.element_size() for t in whole) if groups.rank else 0
         buffers = []
         for trainable in (True, False):
             chosen = [e for e in entries if e[3].requires_grad == trainable]
@@ -202,8 +256,14 @@ def build_units(
                     slots.append(first[id(p)])
                     values.append(p.detach())
                     offset += p.numel()
+            level = strategy.os if trainable else strategy.p
+            got = None
+            if sync and level != N:  # see [Note: start-up scatter]
+                dtype = torch.float32 if trainable else precision.param
+                layout = BufferLayout(slots, groups, mesh, level, device)
+                got = scatter_from_rank0(layout, values, strategy.p, dtype, received)
             buffer = FlatBuffer(slots, values, strategy, groups, mesh, trainable, precision,
-                                reduce_groups=reduce_groups, device=device)  # fmt: skip
+                                reduce_groups=reduce_groups, device=device, received=got)  # fmt: skip
             for slot, param in zip(slots, buffer.params, strict=True):
                 for m, name in slot.targets:
                     m._parameters[name] = param  # the shard, under the parameter's own name

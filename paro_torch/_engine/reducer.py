@@ -99,7 +99,6 @@ class OrderedReducer:
             self._pending.append(self.lane.submit(self._reduce_and_sync, i, grad, self.sync_gradients))
             self.overlapped_syncs += self.sync_gradients
 
-
     def _reduce_and_sync(self, i: int, grad: torch.Tensor | None, sync: bool) -> None:
         buffer = self.order[i]
         buffer.reduce(grad)

@@ -51,7 +51,13 @@ class BufferStorage(BufferLayout):
         trainable: bool,
         precision: Precision,
         device: torch.device | None = None,
+        received: tuple[int, torch.Tensor] | None = None,
     ) -> None:
+        """Lays out ``values`` (each parameter's values), or ``received``.
+
+        ``received``: (offset, the blocked values from there), a range holding this rank's p-shard and masters
+        (see ``scatter_from_rank0`` in init.py); ``values`` are then unused.
+        """
         device = device if device is not None else torch.device("cpu")
         super().__init__(slots, groups, mesh, strategy.os if trainable else strategy.p, device)
         self.ledger = Ledger()
@@ -62,15 +68,25 @@ class BufferStorage(BufferLayout):
         self.param_dtype = param_dtype = precision.param
         # each parameter's values, flat; only this rank's blocks are copied out of them (a meta-device model's
         # unit exists whole only as these)
-        parts = [v.detach().reshape(-1) for v in values]
+        parts = [v.detach().reshape(-1) for v in values] if received is None else []
+
+        def blocks(lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+            if received is None:
+                return self._pack(parts, lo, hi, dtype)
+            at, got = received
+            return torch.empty(hi - lo, dtype=dtype, device=self.device).copy_(got[lo - at : hi - at])
+
         self.p_lo, self.p_hi = self.range(strategy.p)
         # p-shard: the persistent parameter storage (the whole natural layout when p = N)
         if strategy.p == N:
             self.p_shard = torch.zeros(self.numel, dtype=param_dtype, device=self.device)
-            for s, part in zip(slots, parts, strict=True):
-                self.p_shard[s.offset : s.offset + s.numel] = part
+            if received is None:
+                for s, part in zip(slots, parts, strict=True):
+                    self.p_shard[s.offset : s.offset + s.numel] = part
+            else:
+                self.from_blocks(blocks(0, self.padded, param_dtype), self.p_shard)
         else:
-            self.p_shard = self._pack(parts, self.p_lo, self.p_hi, param_dtype)
+            self.p_shard = blocks(self.p_lo, self.p_hi, param_dtype)
         self.full: torch.Tensor | None = self.p_shard if strategy.p == N else None
         self._master_region: torch.Tensor | None = None
         self.params: list[nn.Parameter] = []
@@ -81,7 +97,7 @@ class BufferStorage(BufferLayout):
             if shares:  # the os block is part of the p-shard: the optimizer updates the parameters in place
                 self._master_region = self.p_shard.detach()[lo - self.p_lo : hi - self.p_lo]
             else:
-                self._master_region = self._pack(parts, lo, hi, torch.float32)
+                self._master_region = blocks(lo, hi, torch.float32)
             if strategy.p == N:
                 self._grad_leaf(self.p_shard)
             self.params = [nn.Parameter(t, requires_grad=True) for t in self._dtensors(self._master_region)]

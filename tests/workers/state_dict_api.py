@@ -1,7 +1,8 @@
 """torch's own views of the sharded parameters give the trained model, for every strategy, uneven shapes included.
 
 Usage: state_dict_api.py check DIR (4 ranks as 2 x 2) | load DIR (1 or 2 ranks, no paro_torch)
-  check: per strategy, after one AdamW step: ``full_tensor()`` of every entry of ``state_dict()``,
+  check: per strategy, the values each rank got at construction (rank 0's, each rank built with its own seed) and
+         the bytes it received; after one AdamW step: ``full_tensor()`` of every entry of ``state_dict()``,
          ``get_model_state_dict`` with full and with sharded options, ``set_model_state_dict`` with full and with
          sharded state dicts, all against ``full_state_dict()``; then ``dcp.save`` of the sharded state dict to
          DIR/<code> and the expected whole tensors to DIR/<code>.pt (rank 0)
@@ -56,9 +57,15 @@ def check(out: Path) -> None:
 
     rank = dist.get_rank()
     failures = []
+    torch.manual_seed(0)
+    initial = Model().state_dict()  # rank 0's model
     for code in STRATEGIES:
-        torch.manual_seed(0)
+        torch.manual_seed(rank)  # each rank its own values: rank 0's must win
         model = ParoShardedModule(Model(), code, wrap_policy={Block})
+        failures += differ(code, initial, model.full_state_dict(), "the values after construction (rank 0's)")
+        got, want_bytes = model.startup_received, startup_bytes(model)
+        if got != want_bytes:
+            failures.append(f"{code}: rank {rank} received {got} bytes of rank 0's values at start, not {want_bytes}")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         ids = torch.randint(0, 13, (4, 6), generator=torch.Generator().manual_seed(rank))
         model(ids).square().mean().backward()
@@ -99,6 +106,24 @@ def check(out: Path) -> None:
             torch.save(want, out / f"{code}.pt")
         print(f"{code}: ok" if not failures else failures[-1], flush=True)
     assert not failures, "\n".join(failures)
+
+
+def startup_bytes(model: nn.Module) -> dict[str, int]:
+    """What each rank should receive of rank 0's values (see [Note: start-up scatter] in paro_torch/_engine/init.py):
+    its I-chunk inside group 0, its chunk (p = I, N) or G-block (p = G) over the slow link elsewhere, and at p = N
+    its group's other chunks; a buffer laid out whole (level N) by broadcast."""
+    rank, m, n = dist.get_rank(), 2, 4
+    out = {"intra": 0, "inter": 0, "whole": 0}
+    for b in model._flat_buffers:
+        p = b.strategy.p
+        if b.level == "N":
+            out["whole"] += sum(s.numel for s in b.slots) * 4 if rank else 0
+            continue
+        whole = b.padded * 4  # float32 masters
+        out["intra"] += whole // m if rank // m == 0 and rank else 0
+        out["inter"] += (whole // n if p == "G" else whole // m) if rank // m else 0
+        out["intra"] += whole - whole // m if p == "N" else 0
+    return out
 
 
 def whole(sd: dict) -> dict:
