@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 WORKERS = Path(__file__).parent / "workers"
@@ -94,6 +96,65 @@ def assert_ok(results: list[RankResult]) -> str:
     if bad:
         raise AssertionError("\n".join(f"--- rank {r.rank} exited {r.returncode}:\n{r.output[-4000:]}" for r in bad))
     return results[0].output
+
+
+@dataclass(frozen=True)
+class Case:
+    """One worker run as a case of a shared launch: ``workers/<script> ARGS`` with ``env`` added, at most ``limit_s``
+    seconds (it must have a ``main()``: see workers/cases.py)."""
+
+    script: str
+    args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    limit_s: float = 300
+
+
+NOT_RUN = -1000
+"""The exit code of a case that did not run: an earlier case of its launch failed."""
+
+
+@dataclass(frozen=True)
+class Shared:
+    """Cases (by the name of the test that reads them) that share one launch of ``world`` ranks: each rank runs them
+    one after another in one process (workers/cases.py), so that start-up (imports, rendezvous) is paid once.
+
+    ``hard_exit``: the ranks skip the interpreter's teardown at the end, as checkpoint.py does when run alone.
+    """
+
+    world: int
+    cases: dict[str, Case]
+    env: dict[str, str] = field(default_factory=dict)
+    hard_exit: bool = False
+
+    @property
+    def timeout_s(self) -> float:
+        """The launch's bound, every case at its limit, start-up included."""
+        return sum(c.limit_s for c in self.cases.values()) + 120
+
+    def run(self, names: set[str]) -> dict[str, list[RankResult]]:
+        """Runs the cases named, in their order here; each case's results as ``launch`` would give them alone."""
+        cases = {n: c for n, c in self.cases.items() if n in names}
+        if not cases:
+            return {}
+        spec = {"cases": [[n, c.script, list(c.args), c.env, c.limit_s] for n, c in cases.items()]}
+        spec["hard_exit"] = self.hard_exit
+        timeout = sum(c.limit_s for c in cases.values()) + 120
+        results = launch("cases.py", self.world, env=self.env, args=(json.dumps(spec),), timeout=timeout)
+        return {name: [_case_result(r, name) for r in results] for name in cases}
+
+
+def _case_result(r: RankResult, name: str) -> RankResult:
+    """Case ``name``'s part of rank ``r``'s output, with its exit code (workers/cases.py frames each case)."""
+    begins = f"@@case {name} begins\n"
+    start = r.output.find(begins)
+    if start < 0:
+        said = f"case {name} did not run: its launch stopped before it (rank {r.rank} exited {r.returncode})"
+        return RankResult(r.rank, NOT_RUN, f"{said}\n{r.output[-4000:]}")
+    body = r.output[start + len(begins) :]
+    end = re.search(rf"^@@case {re.escape(name)} exited (-?\d+)", body, re.MULTILINE)
+    if end is None:  # it ended the process: a crash, or past its time limit
+        return RankResult(r.rank, r.returncode or 1, body)
+    return RankResult(r.rank, int(end.group(1)), body[: end.start()])
 
 
 def torchrun_command(script: Path, *args: str, options: tuple[str, ...] = ()) -> list[str]:

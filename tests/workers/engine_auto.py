@@ -29,8 +29,10 @@ def main() -> None:
     groups = build_groups()
     pgs = (groups.intra, groups.inter)
 
+    # the probe through calibrate(): measure_links on these groups, and rank 0 saves the figures (read back below)
+    path = os.path.join(tempfile.gettempdir(), f"paro-calibration-{os.environ['MASTER_PORT']}.json")
     start = time.perf_counter()
-    links = measure_links(groups)
+    links = paro_torch.calibrate(path, group_size=groups.group_size)
     probe = time.perf_counter() - start
     # links, MLP and AdamW steps (a window of at least 1 s each; the first AdamW step in a process loads the
     # optimizer's code: ~1 s) and the overlap of each level's gathers with compute (3 trials of three 0.1 s loops):
@@ -73,8 +75,7 @@ def main() -> None:
     agree(tight.strategy.code)
 
     # figures saved by calibrate() and read back through PARO_CALIBRATION give the same plan
-    path = os.path.join(tempfile.gettempdir(), f"paro-calibration-{os.environ['MASTER_PORT']}.json")
-    saved = paro_torch.calibrate(path, group_size=groups.group_size)
+    saved = links
     dist.barrier()
     assert LinkCalibration.load(path) == saved
     os.environ["PARO_CALIBRATION"] = path
