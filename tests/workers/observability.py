@@ -101,5 +101,9 @@ def stats() -> None:
     dist.destroy_process_group()
 
 
-if __name__ == "__main__":
+def main() -> None:
     {"trace": trace, "desync": desync, "monitored": monitored, "stats": stats}[sys.argv[1]]()
+
+
+if __name__ == "__main__":
+    main()
