@@ -150,6 +150,7 @@ def sharded_copy(sd: dict) -> dict:
 
 
 def load(out: Path) -> None:
+    assert "paro_torch" not in sys.modules, "the checkpoints must load into plain modules without paro_torch"
     for code in STRATEGIES:
         model = Model()
         sd = model.state_dict()
