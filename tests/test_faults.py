@@ -25,9 +25,10 @@ def test_a_killed_rank_fails_the_job_and_the_last_checkpoint_resumes_it_exactly(
     env = {"PARO_GROUP_SIZE": "2"}
     # DDP communicates in backward only (and in the save): a kill in its forward or optimizer step shows as in backward
     phases = ("forward", "backward", "optimizer", "save") if engine == "paro" else ("backward", "save")
-    for phase in phases:
+    for phase in phases:  # each job saves its checkpoints in a folder of its own
+        (tmp_path / phase).mkdir()
         start = time.monotonic()
-        results = launch("faults.py", 4, env=env, args=(engine, phase, str(tmp_path)), timeout=180)
+        results = launch("faults.py", 4, env=env, args=(engine, phase, str(tmp_path / phase)), timeout=180)
         assert results[1].returncode == -signal.SIGKILL, results[1].output[-2000:]
         for r in results[:1] + results[2:]:  # each survivor raised an error that names what broke
             assert r.returncode == 1, f"{phase}: rank {r.rank} exited {r.returncode}:\n{r.output[-3000:]}"
@@ -35,9 +36,13 @@ def test_a_killed_rank_fails_the_job_and_the_last_checkpoint_resumes_it_exactly(
             assert "Connection closed by peer" in r.output or "Connection reset by peer" in r.output, r.output[-3000:]
         # launch's own start-up (imports, rendezvous) included
         assert time.monotonic() - start < TIMEOUT_S + 60, f"{phase}: the survivors took {time.monotonic() - start}s"
-        if phase in ("backward", "save"):  # the save's kill leaves a partial save beside the last complete one
-            for r in launch("faults.py", 4, env=env, args=(engine, "resume", str(tmp_path)), timeout=180):
-                assert r.returncode == 0 and "resumed at step 2, equal to" in r.output, r.output[-3000:]
+    # one job resumes from the last complete checkpoint of each (the save's kill leaves a partial save beside it)
+    resumed = ("backward", "save")
+    args = (engine, "resume", *(str(tmp_path / phase) for phase in resumed))
+    for r in launch("faults.py", 4, env=env, args=args, timeout=180):
+        for phase in resumed:
+            said = f"{phase}: resumed at step 2, equal to"
+            assert r.returncode == 0 and said in r.output, f"{phase}: rank {r.rank}:\n{r.output[-3000:]}"
 
 
 def _rank_pid(rank: int, script: str) -> int | None:

@@ -1,11 +1,12 @@
 """A rank killed (SIGKILL) mid-step or mid-save ends the job with an error on every other rank; the last complete
 checkpoint then resumes training exactly as an uninterrupted run (docs/checkpoints.md, "When a rank dies").
 
-Usage: faults.py ENGINE PHASE DIR
+Usage: faults.py ENGINE PHASE DIR [DIR ...]
   ENGINE: paro (ParoShardedModule, IIG) or ddp (DistributedDataParallel), both on the ``paro`` backend
   PHASE:  forward, backward, optimizer or save: rank 1 kills itself there in step KILL_STEP (in the save after it)
-          after saving DIR/ckpt every SAVE_EVERY steps
-  resume: a new job loads DIR/ckpt, trains to STEPS and compares with an uninterrupted run: they must be equal
+          after saving DIR/ckpt-ENGINE every SAVE_EVERY steps
+  resume: a new job loads each DIR/ckpt-ENGINE into a new model, trains it to STEPS and compares it with one
+          uninterrupted run: they must be equal
 """
 
 import datetime
@@ -109,25 +110,27 @@ def states(engine: str, model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    engine, phase, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    engine, phase, dirs = sys.argv[1], sys.argv[2], [Path(d) for d in sys.argv[3:]]
     dist.init_process_group("paro", timeout=datetime.timedelta(seconds=TIMEOUT_S))
     rank = dist.get_rank()
-    ckpt = out / f"ckpt-{engine}"
-    model, opt = build(engine)
     if phase != "resume":
+        model, opt = build(engine)
         if rank == 1:
             arm(phase, model, opt)
-        train(engine, model, opt, range(STEPS), ckpt)
+        train(engine, model, opt, range(STEPS), dirs[0] / f"ckpt-{engine}")
         print(f"rank {rank}: finished without an error")
         sys.exit(1)
-    first = load(engine, ckpt, model, opt) + 1
-    train(engine, model, opt, range(first, STEPS), None)
-    resumed = states(engine, model)
     reference, ref_opt = build(engine)
     train(engine, reference, ref_opt, range(STEPS), None)
-    for name, want in states(engine, reference).items():
-        assert torch.equal(resumed[name], want), f"{name} differs by {(resumed[name] - want).abs().max()}"
-    print(f"rank {rank}: resumed at step {first}, equal to the uninterrupted run after {STEPS} steps")
+    want = states(engine, reference)
+    for out in dirs:
+        model, opt = build(engine)
+        first = load(engine, out / f"ckpt-{engine}", model, opt) + 1
+        train(engine, model, opt, range(first, STEPS), None)
+        resumed = states(engine, model)
+        for name, w in want.items():
+            assert torch.equal(resumed[name], w), f"{out}: {name} differs by {(resumed[name] - w).abs().max()}"
+        print(f"rank {rank}: {out.name}: resumed at step {first}, equal to the uninterrupted run after {STEPS} steps")
     dist.destroy_process_group()
 
 
