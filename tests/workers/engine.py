@@ -21,7 +21,7 @@ from paro_torch._groups import ParoGroups, build_groups
 
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
-STEPS, ACCUM, BATCH, DIM, VOCAB, SEQ = 4, 2, 2, 16, 32, 6
+STEPS, ACCUM, BATCH, DIM, VOCAB, SEQ = 3, 2, 2, 16, 32, 6
 SCALE = 2.0**10  # fp16's (constant) loss scale
 
 
