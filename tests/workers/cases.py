@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import faulthandler
 import importlib
+import itertools
 import json
 import os
 import sys
@@ -53,10 +54,13 @@ def run_worker(script: str, args: list[str]) -> int:
 
 
 def on_store(init_process_group: Callable[..., None], store: dist.Store) -> Callable[..., None]:
-    """``init_process_group`` on ``store`` (the workers rendezvous through env://, which would bind MASTER_PORT)."""
+    """``init_process_group`` on ``store`` (the workers rendezvous through env://, which would bind MASTER_PORT),
+    under a prefix of each call's (a worker may destroy its group and make another)."""
+    calls = itertools.count()
 
     def init(backend: str | None = None, **kwargs: object) -> None:
-        kwargs.update(store=kwargs.get("store") or store, rank=RANK, world_size=WORLD)
+        prefix = dist.PrefixStore(f"init{next(calls)}/", store)
+        kwargs.update(store=kwargs.get("store") or prefix, rank=RANK, world_size=WORLD)
         init_process_group(backend, **kwargs)
 
     return init
