@@ -61,7 +61,7 @@ def _make(groups: ParoGroups, device: torch.device) -> EngineComms:
         reduce_groups=twin_groups(groups),
         gather_world=new_group(list(range(groups.world)), whole_backend),
         gathers=make_lane(device, "paro-gather"),
-        reducer=make_lane(device, "paro-reduce"),
+        reducer=make_lane(device, "paro-reduce", in_flight=1),  # see [Note: memory across streams] in _lanes.py
     )
 
 

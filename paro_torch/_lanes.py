@@ -10,14 +10,23 @@ and returns a handle whose ``result()`` orders the caller after it:
   of the lane as the current stream; it first waits for what the caller's stream has queued (the inputs), so its
   collectives are issued synchronously in program order, the same on every rank, and NCCL enqueues them on the
   lane's stream; ``result()`` makes the caller's current stream wait on an event recorded after the call, and never
-  blocks the CPU. Tensors passed to the call are recorded on the lane's stream, and tensors handed back to the
-  compute stream (``hand_over``) on that stream, so that the caching allocator reuses none of them while another
-  stream may still read them.
+  blocks the CPU.
+
+[Note: memory across streams] The caching allocator reuses a freed block only for the stream it was allocated on,
+at once, so a block one stream frees while another still reads or writes it is unsafe. Without ``record_stream``
+(whose frees wait for the allocator's event polling, as FSDP2 found): what a lane call makes for the caller
+(gathered parameters) is allocated on the caller's stream (``for_caller``), so the caller frees it in its own
+order after it waited for the call; what the caller passes in (gradients) is held by the handle until the caller's
+stream has waited for the call (``result()``, or the next call on a lane with ``in_flight=1``, which bounds the
+reductions in flight as FSDP2 bounds its reduce-scatters); temporaries of the call are the lane stream's own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import collections
+import contextlib
+import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
@@ -37,8 +46,6 @@ class Lane(Protocol):
 
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Handle[T]: ...
 
-    def hand_over(self, tensors: Iterable[torch.Tensor]) -> None: ...
-
 
 class ThreadLane:
     """A lane on a thread of its own (CPU)."""
@@ -49,45 +56,78 @@ class ThreadLane:
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
         return self._pool.submit(fn, *args, **kwargs)
 
-    def hand_over(self, tensors: Iterable[torch.Tensor]) -> None:
-        pass  # one device, one stream: nothing to hand over
-
 
 class _Issued:
-    """A call issued on a lane's stream: ``result()`` makes the current stream wait for it."""
+    """A call issued on a lane's stream: ``result()`` makes the current stream wait for it and lets go of its inputs."""
 
-    def __init__(self, value: Any, event: torch.cuda.Event, device: torch.device) -> None:
+    def __init__(self, value: Any, event: torch.cuda.Event, device: torch.device, inputs: list[torch.Tensor]) -> None:
         self._value, self._event, self._device = value, event, device
+        self._inputs: list[torch.Tensor] | None = inputs
+
+    def release(self) -> None:
+        """The caller's stream waits for the call; its inputs may be freed from here on."""
+        if self._inputs is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._event)
+            self._inputs = None
 
     def result(self) -> Any:
         torch.cuda.current_stream(self._device).wait_event(self._event)
+        self._inputs = None
         return self._value
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter exit CUDA may be gone
+            self.release()
+
+
+_callers = threading.local()
+"""The caller streams of the StreamLane calls running on this thread (innermost last)."""
+
+
+def for_caller() -> contextlib.AbstractContextManager:
+    """Inside a lane call, tensors made here belong to the stream that submitted it (CUDA); elsewhere a no-op."""
+    stack = getattr(_callers, "stack", None)
+    return torch.cuda.stream(stack[-1]) if stack else contextlib.nullcontext()
 
 
 class StreamLane:
-    """A lane on a CUDA stream of its own, issued from the calling thread."""
+    """A lane on a CUDA stream of its own, issued from the calling thread.
 
-    def __init__(self, device: torch.device) -> None:
+    ``in_flight``: at most this many calls not yet waited for; another makes the caller's stream wait for the oldest
+    (a wait on the device, not the CPU).
+    """
+
+    def __init__(self, device: torch.device, in_flight: int | None = None) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device, priority=-1)
+        self._in_flight = in_flight
+        self._issued: collections.deque[_Issued] = collections.deque()
 
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> _Issued:
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the inputs are ready
-        for t in (*args, *kwargs.values()):
-            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
-                t.record_stream(self.stream)
-        with torch.cuda.stream(self.stream):
-            value = fn(*args, **kwargs)
-            event = self.stream.record_event()
-        return _Issued(value, event, self.device)
+        if self._in_flight is not None:
+            while len(self._issued) >= self._in_flight:
+                self._issued.popleft().release()
+        caller = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(caller)  # the inputs are ready
+        inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.device.type == "cuda"]
+        stack = _callers.__dict__.setdefault("stack", [])
+        stack.append(caller)
+        try:
+            with torch.cuda.stream(self.stream):
+                value = fn(*args, **kwargs)
+                event = self.stream.record_event()
+        finally:
+            stack.pop()
+        issued = _Issued(value, event, self.device, inputs)
+        if self._in_flight is not None:
+            self._issued.append(issued)
+        return issued
 
-    def hand_over(self, tensors: Iterable[torch.Tensor]) -> None:
-        current = torch.cuda.current_stream(self.device)
-        for t in tensors:
-            if t.untyped_storage().size() > 0:
-                t.record_stream(current)
 
+def make_lane(device: torch.device, name: str, in_flight: int | None = None) -> Lane:
+    """A stream lane for a CUDA device (``in_flight``: see ``StreamLane``), a thread lane otherwise.
 
-def make_lane(device: torch.device, name: str) -> Lane:
-    """A stream lane for a CUDA device, a thread lane otherwise."""
-    return StreamLane(device) if device.type == "cuda" else ThreadLane(name)
+    CPU lanes take no bound: a caller blocked on its own lane can deadlock against a peer rank that needs its
+    gathers first (ranks whose graphs differ).
+    """
+    return StreamLane(device, in_flight) if device.type == "cuda" else ThreadLane(name)

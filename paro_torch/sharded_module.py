@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -28,7 +29,7 @@ from paro_torch._engine.init import build_units, probe_problem, requested_group_
 from paro_torch._engine.planning import cost_blocks, plan_strategy
 from paro_torch._engine.units import WrapPolicy, assign_units
 from paro_torch._groups import ParoGroups, build_groups
-from paro_torch.api import Precision
+from paro_torch.api import Precision, model_dtype
 from paro_torch.auto import LinkCalibration
 
 __all__ = ["ParoShardedModule", "WrapPolicy"]
@@ -50,8 +51,8 @@ class ParoShardedModule(nn.Module):
         wrap_policy: Module classes (or a predicate) whose instances become units, each with its own buffers.
         mixed_precision: FSDP2's ``MixedPrecisionPolicy``: ``param_dtype`` for compute and gathers,
             ``reduce_dtype`` (default ``param_dtype``) for gradient collectives, ``output_dtype`` for the outputs,
-            ``cast_forward_inputs``. Gradients accumulate in float32 (in ``reduce_dtype`` where it is set); masters
-            and optimizer states stay float32.
+            ``cast_forward_inputs``. As with FSDP2, the sharded parameters (the optimizer's masters), their
+            gradients and their accumulation keep the model's dtype; without a policy the model computes in it too.
         memory_budget: Bytes per rank for model states (auto, and a check for an explicit strategy, also made
             with the default when link figures are given); default: the GPU's free memory, or the host's memory
             shared by one group's ranks.
@@ -108,8 +109,9 @@ class ParoShardedModule(nn.Module):
         param_init_fn: Callable[[nn.Module], None] | None = None,
     ) -> None:
         super().__init__()
-        self.precision = Precision.of(mixed_precision)
+        self.precision = Precision.of(mixed_precision, model_dtype(module.parameters()))
         self.param_dtype = self.precision.param
+        """The trainable parameters' compute dtype (``param_dtype``, else the model's)."""
         m = requested_group_size(group_size, process_groups, device_mesh)
         parsed = validate_everywhere(
             module,
@@ -201,26 +203,31 @@ class ParoShardedModule(nn.Module):
         return self._engine.schedule.peak_unsharded
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> ParoShardedModule:
-        """``Module._apply`` (``.to``, ``.cpu``, ``.cuda``, ``.float``, ...) that keeps the engine's storage.
+        """``Module._apply`` (``.to``, ``.cpu``, ``.float``, ``.double``, ...) that keeps the engine's storage.
 
-        A conversion that keeps the parameters' device and dtype runs as usual (buffers too), and the engine takes
-        the parameters back (``FlatBuffer.adopt``), as FSDP2 re-derives its shards after ``_apply``. One that would
-        change either raises before it touches anything: the engine's storage, communicators and float32 masters
-        are set at construction (``device=``, ``mixed_precision=``).
+        As FSDP2 re-derives its shards after ``_apply``: a dtype change converts the shards (the model's dtype, see
+        [Note: mixed precision] in api.py; a ``param_dtype`` policy stays as it is) and the parameter objects the
+        optimizer holds take the converted storage; any other conversion that keeps device and dtype runs as usual
+        (buffers too) and the engine takes the parameters back (``FlatBuffer.adopt``). A device change raises
+        before it touches anything: the storage and communicators are set at construction (``device=``).
         """
-        probe = fn(torch.empty(0, dtype=torch.float32, device=self.device))
-        if isinstance(probe, torch.Tensor) and (probe.device != self.device or probe.dtype != torch.float32):
+        master = self.precision.master
+        probe = fn(torch.empty(0, dtype=master, device=self.device))
+        if isinstance(probe, torch.Tensor) and probe.device != self.device:
             raise ValueError(
-                f"ParoShardedModule: this conversion would move its parameters to {probe.device} / {probe.dtype}; a "
-                f"wrapped model lives on {self.device} with float32 masters: build it with device=... (and "
-                "mixed_precision=MixedPrecisionPolicy(param_dtype=...) for low-precision compute), or convert the "
-                "model before wrapping it"
+                f"ParoShardedModule: this conversion would move its parameters to {probe.device}; a wrapped model "
+                f"lives on {self.device}: build it with device=..., or move the model before wrapping it"
             )
+        retype = isinstance(probe, torch.Tensor) and probe.dtype != master
         engine = self.__dict__.get("_engine")
         if engine is None:  # during construction
             return super()._apply(fn, recurse)
         engine.settle()
         super()._apply(fn, recurse)
+        if retype:
+            self.precision = self.precision.retyped(probe.dtype)
+            self.param_dtype = self.precision.param
+            engine.retype(self.precision)
         for b in engine.flat_buffers:
             b.adopt()
         engine.buffer_sync.rebind(list(self.module.buffers()))
@@ -255,8 +262,23 @@ class ParoShardedModule(nn.Module):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the sharded parameters (the global norm); returns it, whole."""
+        if math.isinf(norm_type):  # torch's max of an empty shard raises, on those ranks only: max of the others
+            return self._clip_grad_max_(max_norm)
         norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def _clip_grad_max_(self, max_norm: float) -> torch.Tensor:
+        """``clip_grad_norm_`` with the infinity norm: the largest |gradient| over the ranks' shards."""
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.parameters()
+                 if p.grad is not None]  # fmt: skip
+        maxima = [g.detach().abs().max().float() for g in grads if g.numel() > 0]
+        norm = torch.stack(maxima).max() if maxima else torch.zeros((), device=self.device)
+        for dim in range(self.mesh.ndim):  # as DTensor reduces the norm: over each dimension of the mesh
+            dist.all_reduce(norm, dist.ReduceOp.MAX, group=self.mesh.get_group(dim))
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return norm
 
     # ------------------------------------------------------------------------------- names and state dicts
     def __getattr__(self, name: str) -> Any:
@@ -372,7 +394,7 @@ class ParoShardedModule(nn.Module):
         """Bytes this rank holds persistently for parameters, gradient accumulators and optimizer states.
 
         Optimizer states count this rank's chunks (``torch.chunk``'s split gives rank 0 the largest: the cost
-        model's figure); separate float32 masters count with them.
+        model's figure); masters held apart from the parameters count with them.
         """
         return stats.memory_stats(self._flat_buffers, optimizer)
 

@@ -35,6 +35,11 @@ def _cases(world: int) -> dict[str, Case]:
         variants = "clip,bf16,fp16,tied,syncall"
         cases["test_clipping_bf16_fp16_tied_weights_and_sync_on_every_micro_step"] = Case("engine.py", (variants,), G2)
         cases["test_groups_from_a_device_mesh"] = Case("engine.py", ("mesh", "IIG", "NGG", "III"), G2)
+        # the model's own dtype kept without a policy: float64 to 1e-12 (float32 anywhere: ~1e-7), as FSDP2
+        cases["test_the_models_dtype_is_kept[float64]"] = Case("engine.py", ("float64",), G2)
+        cases["test_the_models_dtype_is_kept[converted]"] = Case(
+            "engine.py", ("double,bf16model", "NNN", "NIG", "NGG", "IIG", "GGG"), G2
+        )
     for shape, w, m, variants in ACCOUNTING:
         if w == world:
             cases[f"test_memory_and_bytes_equal_the_cost_model[{shape}]"] = Case(
@@ -79,6 +84,14 @@ def test_collectives_in_flight_at_exit_do_not_abort_the_process(mode: str) -> No
 
 def test_groups_from_a_device_mesh(ranks: list[RankResult]) -> None:
     assert_ok(ranks)
+
+
+@pytest.mark.parametrize("how", ["float64", "converted"])
+def test_the_models_dtype_is_kept(how: str, ranks: list[RankResult]) -> None:
+    """No policy: masters, gradients, optimizer states and compute in the model's dtype; ``.double()`` after wrapping
+    converts them (float64 against one process to 1e-12; a bfloat16 model's dtypes checked exactly)."""
+    out = assert_ok(ranks)
+    assert out.count("float64: max") == 14 or out.count("double: max") == 5, out[-2000:]
 
 
 @pytest.mark.parametrize("shape", [s[0] for s in ACCOUNTING])

@@ -43,7 +43,7 @@ CASES = {
     ],
     "contract": [
         "edit_after_eval",  # after step 1: an evaluation forward, then the parameters halved in place
-        "moved",  # .to("cpu"), .cpu(), .float() between steps; .double() refused with the fix
+        "moved",  # .to("cpu"), .cpu(), .float(), .double().float() between steps; .to("meta") refused
         "abandoned_window",  # a window dropped after one micro-step (zero_grad(), no step): not carried over
         "abandoned_window_inplace",  # ditto with zero_grad(set_to_none=False)
         "zero_grad_inplace",  # every zero_grad(set_to_none=False)

@@ -262,6 +262,12 @@ class Engine:
             )
         self.reset_units()
 
+    def retype(self, precision: Precision) -> None:
+        """After ``settle`` and ``Module._apply``: every buffer in the new dtypes (see ``BufferStorage.retype``)."""
+        self.precision = precision
+        for b in self.flat_buffers:
+            b.retype(precision)
+
     def reset_units(self) -> None:
         """Every unit idle and resharded (its modules' attributes back on the shards: no view of freed storage)."""
         for u in self.units:

@@ -49,17 +49,16 @@ class FlatBuffer(BufferStorage):
         self.g_acc: torch.Tensor | None = None
         if trainable:
             g_lo, g_hi = self.range(strategy.g)
-            # gradients accumulate across micro-steps in float32 (or reduce_dtype, where the user set one)
-            self.g_acc = torch.zeros(g_hi - g_lo, dtype=precision.accumulate, device=self.device)
+            # gradients accumulate across micro-steps in the masters' dtype (see [Note: mixed precision] in api.py)
+            self.g_acc = torch.zeros(g_hi - g_lo, dtype=precision.master, device=self.device)
         # [Note: gradients in .grad] The masters' ``.grad`` exists from a window's first micro-step on, so that the
-        # user's ``zero_grad()`` (optimizer's or module's) reaches the accumulator, as with DDP: where g = os (and
-        # the accumulator is float32) each ``.grad`` is a view of the accumulator itself, synced in place at the
-        # boundary (no second copy of the gradients); elsewhere it is a float32 tensor at os's layout that the
-        # boundary's sync adds to. A ``.grad`` set to None, replaced, or (at g != os) changed in place since the
-        # engine last wrote it means the gradients were cleared: the accumulator restarts from zero, so a window
-        # abandoned after some micro-steps (a NaN guard) is not carried into the next step. Gradients not cleared
-        # after a boundary add up, as with DDP.
-        self._in_grad = trainable and strategy.g == strategy.os and precision.accumulate == torch.float32
+        # user's ``zero_grad()`` (optimizer's or module's) reaches the accumulator, as with DDP: where g = os each
+        # ``.grad`` is a view of the accumulator itself, synced in place at the boundary (no second copy of the
+        # gradients); elsewhere it is a tensor at os's layout that the boundary's sync adds to. A ``.grad`` set to
+        # None, replaced, or (at g != os) changed in place since the engine last wrote it means the gradients were
+        # cleared: the accumulator restarts from zero, so a window abandoned after some micro-steps (a NaN guard) is
+        # not carried into the next step. Gradients not cleared after a boundary add up, as with DDP.
+        self._in_grad = trainable and strategy.g == strategy.os
         self._marks: list[tuple[torch.Tensor, int]] | None = None
         """The ``.grad`` of each parameter as the engine last left it, and its version (None: not set by us)."""
         self._window = False
@@ -81,7 +80,7 @@ class FlatBuffer(BufferStorage):
         if self._marks is None:
             self._attached = all(p.grad is None for p in self.params)
             assert self._master_region is not None
-            region = self.g_acc if self._in_grad else torch.zeros_like(self._master_region)  # float32, at os
+            region = self.g_acc if self._in_grad else torch.zeros_like(self._master_region)  # at os
             if self._attached or self._in_grad:
                 old = [p.grad for p in self.params]
                 for p, local in zip(self.params, self._locals(region), strict=True):
@@ -98,6 +97,18 @@ class FlatBuffer(BufferStorage):
             if self._in_grad and self.strategy.os != G:  # its sync is not linear in place: set them aside
                 self._carried = self.g_acc.clone()
                 self.g_acc.zero_()
+
+    def retype(self, precision: Precision) -> None:
+        """``BufferStorage.retype``, between optimizer steps: the accumulator restarts in the masters' new dtype."""
+        if self._window:
+            raise RuntimeError(
+                "ParoShardedModule: a dtype change (.to(dtype), .double(), ...) after a backward whose gradients have "
+                "not reached an optimizer step (an accumulation window or no_sync); convert between steps"
+            )
+        super().retype(precision)
+        if self.g_acc is not None:  # empty after a boundary, or (g = os) the gradients the user keeps in .grad
+            self.g_acc = torch.zeros(self.g_acc.numel(), dtype=precision.master, device=self.device)
+        self._marks, self._carried = None, None
 
     def _grad_of(self, p: torch.Tensor, local: torch.Tensor) -> DTensor:
         return DTensor.from_local(local, self.mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
@@ -172,7 +183,7 @@ class FlatBuffer(BufferStorage):
                 self.g_acc.add_(self._carried)
                 self._carried = None
         else:
-            for p, local in zip(self.params, self._locals(x.to(torch.float32)), strict=True):
+            for p, local in zip(self.params, self._locals(x.to(self.precision.master)), strict=True):
                 p.grad.to_local().add_(local)
             self.g_acc.zero_()
         self._mark()

@@ -136,7 +136,6 @@ class GatherSchedule:
             # outside the pass (e.g. a unit run twice in a forward): a gather of its own, as on every rank
             if self._gather_due(unit) or any(b.full_freed() for b in unit.buffers):
                 self.lane.submit(unit.gather).result()
-                self.lane.hand_over(b.full for b in unit.buffers if b.full is not None)
             return
         if i >= self._pass_limit:  # a dormant unit runs here
             self._wake_dormant(True)
@@ -149,7 +148,6 @@ class GatherSchedule:
             self.prefetches += len(self._gathered) - before
         if pending is not None:
             pending.result()
-            self.lane.hand_over(b.full for b in unit.buffers if b.full is not None)
         if self.strategy.p != N:
             phase = "backward" if backward else "forward"
             held = sum(u.unsharded() for u in self.units)

@@ -17,6 +17,7 @@ from paro_torch._agree import raise_together
 from paro_torch._backend import check_node_layout, resolve_group_size
 from paro_torch._engine.flat_buffer import FlatBuffer
 from paro_torch._engine.layout import BufferLayout, G, I, N, ParamSlot
+from paro_torch._engine.storage import storage_dtype
 from paro_torch._engine.units import Assignment, Unit
 from paro_torch._groups import ParoGroups
 from paro_torch.api import Precision
@@ -259,7 +260,7 @@ def build_units(
             level = strategy.os if trainable else strategy.p
             got = None
             if sync and level != N:  # see [Note: start-up scatter]
-                dtype = torch.float32 if trainable else precision.param
+                dtype = precision.master if trainable else storage_dtype(precision, False, values)
                 layout = BufferLayout(slots, groups, mesh, level, device)
                 got = scatter_from_rank0(layout, values, strategy.p, dtype, received)
             buffer = FlatBuffer(slots, values, strategy, groups, mesh, trainable, precision,

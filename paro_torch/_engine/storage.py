@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import weakref
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from paro_torch import _C
 from paro_torch._engine.collectives import Ledger, all_gather
 from paro_torch._engine.layout import BufferLayout, G, I, N, ParamSlot
 from paro_torch._groups import ParoGroups
+from paro_torch._lanes import for_caller
 from paro_torch.api import Precision
 
 
@@ -35,8 +37,15 @@ def weak_hook(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor]
     return hook
 
 
+def storage_dtype(precision: Precision, trainable: bool, values: list[torch.Tensor]) -> torch.dtype:
+    """The dtype a buffer of these parameters is stored and gathered in (trainable: masters in ``precision.master``)."""
+    if trainable:
+        return precision.param
+    return precision.frozen(functools.reduce(torch.promote_types, (v.dtype for v in values), values[0].dtype))
+
+
 class BufferStorage(BufferLayout):
-    """The tensors of one buffer: the p-shard, the float32 masters (os), the gathered whole buffer (p = I, G).
+    """The tensors of one buffer: the p-shard, the masters (os), the gathered whole buffer (p = I, G).
 
     A trainable buffer is laid out at os, its finest granularity in every valid strategy; a frozen one at p.
     """
@@ -65,7 +74,8 @@ class BufferStorage(BufferLayout):
         self.strategy = strategy
         self.trainable = trainable
         self.precision = precision
-        self.param_dtype = param_dtype = precision.param
+        self.param_dtype = param_dtype = storage_dtype(precision, trainable, values)
+        """Compute and gathers (see [Note: mixed precision] in api.py); the masters' is ``precision.master``."""
         # each parameter's values, flat; only this rank's blocks are copied out of them (a meta-device model's
         # unit exists whole only as these)
         parts = [v.detach().reshape(-1) for v in values] if received is None else []
@@ -93,11 +103,11 @@ class BufferStorage(BufferLayout):
         """Per slot: this rank's shard as a DTensor parameter (os for trainable, p for frozen), original shape."""
         if trainable:
             lo, hi = self.range(strategy.os)
-            shares = param_dtype == torch.float32 and (strategy.p != N or strategy.os == N)
+            shares = param_dtype == precision.master and (strategy.p != N or strategy.os == N)
             if shares:  # the os block is part of the p-shard: the optimizer updates the parameters in place
                 self._master_region = self.p_shard.detach()[lo - self.p_lo : hi - self.p_lo]
             else:
-                self._master_region = blocks(lo, hi, torch.float32)
+                self._master_region = blocks(lo, hi, precision.master)
             if strategy.p == N:
                 self._grad_leaf(self.p_shard)
             self.params = [nn.Parameter(t, requires_grad=True) for t in self._dtensors(self._master_region)]
@@ -127,6 +137,37 @@ class BufferStorage(BufferLayout):
                 module._parameters[name] = param
             param._local_tensor = view
 
+    def retype(self, precision: Precision) -> None:
+        """After ``Module._apply`` changed the parameters' dtype (``.double()``, ``.to(torch.bfloat16)``).
+
+        The storage is converted (masters to ``precision.master``; the p-shard to the buffer's new storage dtype)
+        and each parameter object takes a shard of it (``swap_tensors``, as ``_apply`` swaps DTensors), so the
+        optimizer's references stay valid; gradients the user kept stay as ``_apply`` converted them.
+        """
+        s = self.strategy
+        dtype = storage_dtype(precision, self.trainable, self.params)  # the parameters' dtypes are the new ones
+        old_master = self._master_region
+        self.precision, self.param_dtype = precision, dtype
+        self.p_shard = self.p_shard.detach().to(dtype, copy=True)
+        self.full = self.p_shard if s.p == N else None  # p = I, G: made again in the new dtype when gathered
+        region = self.p_shard.detach()
+        if self.trainable:
+            assert old_master is not None
+            lo, hi = self.range(s.os)
+            if dtype == precision.master and (s.p != N or s.os == N):
+                self._master_region = region[lo - self.p_lo : hi - self.p_lo]
+                self._master_region.copy_(old_master)  # the masters lead the p-shard until t_syncp
+            else:
+                self._master_region = old_master.to(precision.master, copy=True)
+            if s.p == N:
+                self._grad_leaf(self.p_shard)
+            region = self._master_region
+        for param, fresh in zip(self.params, self._dtensors(region), strict=True):
+            grad, param.grad = param.grad, None
+            torch.utils.swap_tensors(param, nn.Parameter(fresh, requires_grad=param.requires_grad))
+            param.grad = grad
+        self._local_views = [p._local_tensor for p in self.params]
+
     def _grad_leaf(self, whole: torch.Tensor) -> None:
         """Makes the whole natural buffer the leaf autograd accumulates the unit's gradient into."""
         whole.requires_grad_(True)
@@ -147,14 +188,15 @@ class BufferStorage(BufferLayout):
 
     def _unshard(self) -> torch.Tensor:
         start = time.perf_counter()  # the storage is held (and grown) from here: memory counts it as unsharded
-        if self.full is None:
-            self.full = torch.empty(self.numel, dtype=self.param_dtype, device=self.device)
-            if self.trainable:
-                self._grad_leaf(self.full)
-        elif self.full.untyped_storage().size() == 0:
-            self.full.untyped_storage().resize_(self.numel * self.full.element_size())
-        else:
-            return self.full
+        with for_caller():  # compute reads and frees it (see [Note: memory across streams] in _lanes.py)
+            if self.full is None:
+                self.full = torch.empty(self.numel, dtype=self.param_dtype, device=self.device)
+                if self.trainable:
+                    self._grad_leaf(self.full)
+            elif self.full.untyped_storage().size() == 0:
+                self.full.untyped_storage().resize_(self.numel * self.full.element_size())
+            else:
+                return self.full
         grown = time.perf_counter() - start
         whole = torch.empty(self.padded, dtype=self.param_dtype, device=self.device)
         self._gather_to_whole(self.p_shard, self.strategy.p, whole)
@@ -224,7 +266,7 @@ class BufferStorage(BufferLayout):
     # -- whole values, for state dicts ---------------------------------------------------------------------------
     def full_values(self) -> torch.Tensor:
         """The whole natural buffer's current values (masters for trainable parameters), gathered on every rank."""
-        dtype = torch.float32 if self.trainable else self.param_dtype
+        dtype = self.precision.master if self.trainable else self.param_dtype
         out = torch.empty(self.numel, dtype=dtype, device=self.device)
         with torch.no_grad():
             if self._master_region is not None:
@@ -252,7 +294,7 @@ class BufferStorage(BufferLayout):
                 p.to_local().copy_(src if s.replicated else src[start : start + rows])
 
     def master_bytes(self) -> int:
-        """Bytes of float32 masters held apart from the parameters (0 when they share the p-shard's storage)."""
+        """Bytes of masters held apart from the parameters (0 when they share the p-shard's storage)."""
         m = self._master_region
         if m is None or m.untyped_storage().data_ptr() == self.p_shard.untyped_storage().data_ptr():
             return 0

@@ -1,7 +1,8 @@
 """ParoShardedModule with every strategy trains to the parameters of single-process training.
 
 Usage: engine.py VARIANT[,VARIANT...] [STRATEGY ...]; VARIANT in plain, frozen, lora, tied, syncall, clip, bf16, fp16,
-mesh. PARO_TEST_DEVICE=cuda: on CUDA (see _device.py), the engine's groups on NCCL.
+mesh, float64 (a float64 model, no policy), double (a float32 model, .double() after wrapping), bf16model (a bfloat16
+model, no policy). PARO_TEST_DEVICE=cuda: on CUDA (see _device.py), the engine's groups on NCCL.
 """
 
 import contextlib
@@ -20,6 +21,7 @@ from paro_torch import ParoShardedModule
 from paro_torch._groups import ParoGroups, build_groups
 
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
+OWN = {"float64": torch.float64, "double": torch.float64, "bf16model": torch.bfloat16}  # the model's own dtype
 
 STEPS, ACCUM, BATCH, DIM, VOCAB, SEQ = 3, 2, 2, 16, 32, 6
 SCALE = 2.0**10  # fp16's (constant) loss scale
@@ -72,6 +74,8 @@ def make(variant: str) -> nn.Module:
     if variant == "lora":
         for name, p in model.named_parameters():
             p.requires_grad_("lora" in name)
+    if variant in ("float64", "bf16model"):
+        model.to(OWN[variant])
     return model
 
 
@@ -84,7 +88,7 @@ def train_reference(variant: str, data: list[list[torch.Tensor]], world: int) ->
     """One process. Low precision (bf16, fp16): the engine's arithmetic on one process: each rank's share runs
     forward and backward on a low-precision copy of the float32 masters; its gradients are summed in float32 (the
     variants set ``reduce_dtype=float32``), divided by n, accumulated in float32; AdamW updates the masters."""
-    ref, norms = make(variant), []
+    ref, norms = make("float64" if variant == "double" else variant), []
     opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
     for micro in data:
         low = _low_copy(ref, LOW[variant]) if variant in LOW else None
@@ -123,12 +127,15 @@ def check_variant(variant: str, strategies: list[str], groups: ParoGroups) -> No
         for _ in range(STEPS)
     ]
     ref, ref_norms = train_reference(variant, data, world)
-    initial = {k: v.float() for k, v in make(variant).state_dict().items()}
+    initial = {k: v.double() for k, v in make(variant).state_dict().items()}
     assert variant != "clip" or min(ref_norms) > 0.05, "the clipping test must clip"
-    want = {k: v.float() for k, v in ref.state_dict().items()}
+    want = {k: v.double() for k, v in ref.state_dict().items()}
     # low precision: small against how far training moved the parameters (a model that never trains fails)
     update = max((want[k] - initial[k]).abs().max().item() for k in want)
-    tol = 1e-2 * update if variant in LOW else 1e-5
+    # a bfloat16 model: the sums of n ranks' rounded gradients differ from one process's by up to 2 bfloat16 ulps of
+    # the largest parameters (~1.6e-2 here); its dtypes are checked exactly (check_own_dtype)
+    tol = 1e-2 * update if variant in LOW else 0.5 * update if variant == "bf16model" else 1e-5
+    tol = 1e-12 if OWN.get(variant) == torch.float64 else tol  # float32 anywhere on the path: ~1e-7
     mesh = None
     if variant == "mesh":  # groups from a 2-D DeviceMesh (outer = inter-group, inner = intra-group), as HSDP
         from torch.distributed.device_mesh import init_device_mesh
@@ -144,6 +151,8 @@ def check_variant(variant: str, strategies: list[str], groups: ParoGroups) -> No
             mixed_precision=MixedPrecisionPolicy(LOW[variant], reduce_dtype=torch.float32) if variant in LOW else None,
             device=device,
         )
+        if variant == "double":
+            model.double()  # the masters, compute, gathers and reductions become float64
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         # fp16: torch's sharded loss scaler agrees on overflow across ranks (every master shard is checked)
         scaler = ShardedGradScaler(device.type, SCALE, process_group=dist.group.WORLD, enabled=variant == "fp16")
@@ -158,6 +167,8 @@ def check_variant(variant: str, strategies: list[str], groups: ParoGroups) -> No
                 assert abs(norm - ref_norms[step]) < 1e-5 * ref_norms[step], (code, norm, ref_norms[step])
             scaler.step(opt)
             scaler.update()
+            if variant in OWN and step == STEPS - 1:  # the model's dtype everywhere, as FSDP2 without a policy
+                check_own_dtype(model, opt, OWN[variant])
             opt.zero_grad()
         if model.strategy.p != "N":  # the second block's parameters were gathered while the first computed
             assert model.prefetches >= STEPS * ACCUM - 1, model.prefetches
@@ -170,7 +181,7 @@ def check_variant(variant: str, strategies: list[str], groups: ParoGroups) -> No
         assert model.overlapped_syncs == syncs, (code, variant, model.overlapped_syncs, syncs)
         got = model.full_state_dict()
         assert got.keys() == want.keys(), (sorted(got), sorted(want))
-        worst = max((got[k].float() - want[k]).abs().max().item() for k in want)
+        worst = max((got[k].double() - want[k]).abs().max().item() for k in want)
         assert worst < tol, f"{code} ({variant}): parameters differ from single-process training by {worst:.3g}"
         if rank == 0:
             print(f"{code} {variant}: max |diff| {worst:.2e} (update {update:.2e})", flush=True)
@@ -183,6 +194,30 @@ def check_variant(variant: str, strategies: list[str], groups: ParoGroups) -> No
                                   wrap_policy=lambda m: m is inner[1], device=device)  # fmt: skip
         out = model(torch.randn(2, DIM, dtype=torch.float64))
         assert out.dtype == torch.float32 and seen == [torch.bfloat16], (out.dtype, seen)
+        # bfloat16 reductions accumulate in the masters' dtype (float32), as FSDP2 accumulates into .grad
+        policy = MixedPrecisionPolicy(torch.bfloat16, reduce_dtype=torch.bfloat16)
+        model = ParoShardedModule(make("plain"), "IIG", process_groups=(groups.intra, groups.inter),
+                                  mixed_precision=policy, wrap_policy={Block}, device=device)  # fmt: skip
+        with model.no_sync():
+            loss_fn(model, data[0][0][:BATCH]).backward()
+        acc = sum(b.g_acc.numel() for b in model._flat_buffers if b.trainable)
+        assert model.memory_stats()["grads"] == 4 * acc, (model.memory_stats(), acc)
+
+
+def check_own_dtype(model: ParoShardedModule, opt: torch.optim.Optimizer, dtype: torch.dtype) -> None:
+    """Parameters, gradients, accumulators and optimizer states in ``dtype``, measured by ``memory_stats``."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    states = [v for s in opt.state.values() for k, v in s.items() if k != "step"]
+    assert grads and states, (len(grads), len(states))
+    assert {p.dtype for p in model.parameters()} | {g.dtype for g in grads} | {v.dtype for v in states} == {dtype}
+    stats = model.memory_stats(opt)
+    numel = sum(b.p_shard.numel() for b in model._flat_buffers), sum(b.g_acc.numel() for b in model._flat_buffers)
+    state_numel = sum(v.to_local().numel() for v in states)  # Adam's two states per element of the masters
+    s = model.strategy  # masters apart from the parameters only where the layouts differ (p = N keeps its own)
+    masters = state_numel // 2 if s.p == "N" and s.os != "N" else 0
+    want = {"params": numel[0] * dtype.itemsize, "grads": numel[1] * dtype.itemsize, "optimizer_states":
+            (state_numel + masters) * dtype.itemsize}  # fmt: skip
+    assert stats == want, (stats, want)
 
 
 def main() -> None:

@@ -111,9 +111,6 @@ class InlineLane:
     def submit(self, fn: Callable[..., object], *args: object, **kwargs: object) -> "InlineLane.Done":
         return InlineLane.Done(fn(*args, **kwargs))
 
-    def hand_over(self, tensors: object) -> None:
-        pass
-
 
 def status(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():

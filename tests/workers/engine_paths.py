@@ -15,7 +15,8 @@ redirection: the wrapper's forward runs training_step, which calls the model aga
 forward_error (a forward that raises inside a block on every rank, that micro-step skipped);
 inference_first (the first forward under inference_mode with communication issued on the calling thread, as on
 CUDA); edit_after_eval (after step 1, an evaluation forward, then every parameter halved in place, as an EMA swap
-or schedule-free's train() does); moved (``.to``, ``.cpu``, ``.float`` between steps; ``.double()`` refused);
+or schedule-free's train() does); moved (``.to``, ``.cpu``, ``.float``, ``.double().float()`` between steps; a device
+change refused);
 abandoned_window, abandoned_window_inplace (a window dropped after its first micro-step by a NaN guard:
 zero_grad() with set_to_none True, then False, and no step); zero_grad_inplace (every zero_grad(set_to_none=False));
 user_collectives (the user's own all-reduces on the groups the model was given, in every block's forward hook and
@@ -134,9 +135,6 @@ class InlineLane:
     def submit(self, fn: Callable[..., object], *args: object, **kwargs: object) -> "InlineLane.Done":
         return InlineLane.Done(fn(*args, **kwargs))
 
-    def hand_over(self, tensors: object) -> None:
-        pass
-
 
 def make(case: str, seed: int = 0, device: str = "cpu") -> Tiny:
     """The case's model. ``meta``: its modules initialised by ``init_by_name`` (built on ``device``, uninitialised)."""
@@ -216,7 +214,7 @@ def after_step(case: str, step: int, model: Tiny) -> None:
 
 def evaluate_then_move(case: str, step: int, model: ParoShardedModule, x: torch.Tensor) -> None:
     """edit_after_eval: an evaluation forward between the optimizer step and the edit (it syncs the parameters
-    first); moved: the wrapped model converted in place between steps, and a conversion it cannot take refused."""
+    first); moved: the wrapped model converted in place between steps, and a device change refused."""
     if case == "edit_after_eval" and step == 1:
         model.eval()
         with torch.no_grad():
@@ -228,12 +226,20 @@ def evaluate_then_move(case: str, step: int, model: ParoShardedModule, x: torch.
         stale = [s.fqn for b in engine.flat_buffers for s, p, v in zip(b.slots, b.params, b._local_views, strict=True)
                  if p._local_tensor is not v or s.module._parameters[s.name] is not p]  # fmt: skip
         assert not stale, f"after a conversion, parameters no longer view the engine's storage: {stale[:4]}"
+        params = list(model.parameters())  # the optimizer's
+        model.double()  # and back: float32 -> float64 -> float32 is exact
+        assert {p.dtype for p in model.parameters()} == {torch.float64}
+        model.float()
+        assert all(p is q for p, q in zip(model.parameters(), params, strict=True)), "parameter objects replaced"
+        stale = [s.fqn for b in engine.flat_buffers for s, p, v in zip(b.slots, b.params, b._local_views, strict=True)
+                 if p._local_tensor is not v or p.dtype != torch.float32]  # fmt: skip
+        assert not stale, f"after .double().float(), parameters do not view the engine's storage: {stale[:4]}"
         try:
-            model.double()
+            model.to("meta")
         except ValueError as e:
-            assert "float32 masters" in str(e), e
+            assert "build it with device=" in str(e), e
         else:
-            raise AssertionError("model.double() on a wrapped model did not raise")
+            raise AssertionError("model.to('meta') on a wrapped model did not raise")
 
 
 # Buffer broadcasts per step in training (see [Note: buffer broadcast] in paro_torch/_engine/buffer_sync.py): all

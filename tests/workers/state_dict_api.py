@@ -2,10 +2,11 @@
 
 Usage: state_dict_api.py check DIR (4 ranks as 2 x 2) | load DIR (1 or 2 ranks, no paro_torch)
   check: per strategy, the values each rank got at construction (rank 0's, each rank built with its own seed) and
-         the bytes it received; after one AdamW step: ``full_tensor()`` of every entry of ``state_dict()``,
-         ``get_model_state_dict`` with full and with sharded options, ``set_model_state_dict`` with full and with
-         sharded state dicts, all against ``full_state_dict()``; then ``dcp.save`` of the sharded state dict to
-         DIR/<code> and the expected whole tensors to DIR/<code>.pt (rank 0)
+         the bytes it received; ``clip_grad_norm_`` (inf and 2) against one process; after one AdamW step:
+         ``full_tensor()`` of every entry of ``state_dict()``, ``get_model_state_dict`` with full and with sharded
+         options, ``set_model_state_dict`` with full and with sharded state dicts, all against
+         ``full_state_dict()``; then ``dcp.save`` of the sharded state dict to DIR/<code> and the expected whole
+         tensors to DIR/<code>.pt (rank 0)
   load:  each DIR/<code> read by ``dcp.load`` into a plain module (whole tensors) on this world: equal to DIR/<code>.pt
 """
 
@@ -59,6 +60,7 @@ def check(out: Path) -> None:
     failures = []
     torch.manual_seed(0)
     initial = Model().state_dict()  # rank 0's model
+    grads, norms = reference_clipping(initial, dist.get_world_size())
     for code in STRATEGIES:
         torch.manual_seed(rank)  # each rank its own values: rank 0's must win
         model = ParoShardedModule(Model(), code, wrap_policy={Block})
@@ -69,6 +71,14 @@ def check(out: Path) -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         ids = torch.randint(0, 13, (4, 6), generator=torch.Generator().manual_seed(rank))
         model(ids).square().mean().backward()
+        for norm_type, max_norm, want_norm in norms:  # empty gradient shards included
+            norm = model.clip_grad_norm_(max_norm, norm_type).item()
+            if abs(norm - want_norm) > 1e-6 * want_norm:
+                failures.append(f"{code}: clip_grad_norm_(norm_type={norm_type}) gave {norm}, not {want_norm}")
+        clipped = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        worst = max((clipped[n] - g).abs().max().item() for n, g in grads.items())
+        if clipped.keys() != grads.keys() or worst > 1e-6 * norms[0][1]:  # sums over ranks: rounding apart
+            failures.append(f"{code}: gradients after clip_grad_norm_ (inf, then 2) differ by {worst:.3g}")
         opt.step()
         opt.zero_grad()
         want = model.full_state_dict()
@@ -106,6 +116,24 @@ def check(out: Path) -> None:
             torch.save(want, out / f"{code}.pt")
         print(f"{code}: ok" if not failures else failures[-1], flush=True)
     assert not failures, "\n".join(failures)
+
+
+def reference_clipping(initial: dict, world: int) -> tuple[dict, list[tuple[float, float, float]]]:
+    """One process: the ranks' mean gradient clipped to half its inf norm, then to half its 2-norm.
+
+    Returns the clipped gradients and (norm_type, max_norm, the norm before clipping) per clip.
+    """
+    ref = Model()
+    ref.load_state_dict(initial)
+    for r in range(world):
+        ids = torch.randint(0, 13, (4, 6), generator=torch.Generator().manual_seed(r))
+        (ref(ids).square().mean() / world).backward()
+    norms = []
+    for norm_type in (float("inf"), 2.0):
+        total = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()], norm_type).item()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), total / 2, norm_type)
+        norms.append((norm_type, total / 2, total))
+    return {n: p.grad for n, p in ref.named_parameters()}, norms
 
 
 def startup_bytes(model: nn.Module) -> dict[str, int]:
