@@ -17,8 +17,8 @@ sync (``no_sync``). Precision: ``"bf16-mixed"`` autocasts over float32 parameter
 ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` (bf16 compute and communication, float32 masters), unless
 ``mixed_precision=`` is given; ``"16-mixed"`` autocasts to float16 with loss scaling by a ``ShardedGradScaler`` over the
 world (as Lightning's FSDP strategy), which skips a step on every rank when any rank's gradient shard overflows. A
-module built under ``trainer.init_module(empty_init=True)`` lives on the meta device
-and is initialised unit by unit while it is sharded.
+module built under ``trainer.init_module(empty_init=True)`` lives on the meta device and is initialised unit by unit
+while it is sharded.
 
 Checkpoints (``trainer.save_checkpoint``, ``ModelCheckpoint``, ``fit(ckpt_path=...)``) are the project's sharded DCP
 checkpoints (``paro_torch.checkpoint``): a directory with the model, its buffers and the optimizer's state, which loads
