@@ -15,8 +15,10 @@ module's own names: param groups work as written); gradient clipping (``gradient
 ``clip_grad_norm_``, the global norm over the shards; accumulation steps (``accumulate_grad_batches``) skip the gradient
 sync (``no_sync``). Precision: ``"bf16-mixed"`` autocasts over float32 parameters as usual; ``"bf16-true"`` becomes
 ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` (bf16 compute and communication, float32 masters), unless
-``mixed_precision=`` is given. A module built under ``trainer.init_module(empty_init=True)`` lives on the meta device
-and is initialised unit by unit while it is sharded.
+``mixed_precision=`` is given; ``"16-mixed"`` autocasts to float16 with loss scaling by a ``ShardedGradScaler`` over the
+world (as Lightning's FSDP strategy), which skips a step on every rank when any rank's gradient shard overflows. A
+module built under ``trainer.init_module(empty_init=True)`` lives on the meta device and is initialised unit by unit
+while it is sharded.
 
 Checkpoints (``trainer.save_checkpoint``, ``ModelCheckpoint``, ``fit(ckpt_path=...)``) are the project's sharded DCP
 checkpoints (``paro_torch.checkpoint``): a directory with the model, its buffers and the optimizer's state, which loads
@@ -36,10 +38,11 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn as nn
-from lightning.pytorch.plugins.precision import HalfPrecision
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from paro_torch import _C
 from paro_torch import checkpoint as sharded
@@ -108,6 +111,26 @@ class ParoStrategy(DDPStrategy):
         self._mixed_precision = mixed_precision
         self._wrapped: ParoShardedModule | None = None
         """The sharded LightningModule, once a fit wrapped it: validate/test/predict and another fit reuse it."""
+
+    # ----------------------------------------------------------------------------------------------- precision
+    @property
+    def precision_plugin(self) -> Precision:
+        """The precision plugin Lightning chose (``Precision()`` until it has), its loss scaler sharded."""
+        return self._precision_plugin if self._precision_plugin is not None else Precision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        """Lightning's plugin; a loss scaler (``"16-mixed"``) becomes a ``ShardedGradScaler`` with its settings.
+
+        A plain ``GradScaler`` checks this rank's gradient shards for inf/NaN, and torch's DTensor shares what it
+        found only over the mesh dimensions a gradient is sharded on (one group where the optimizer states are
+        sharded within groups): some ranks would skip the step and lower their scale while others step. The sharded
+        one all-reduces it over the default process group, which Lightning sets up as the world.
+        """
+        scaler = getattr(plugin, "scaler", None)
+        if isinstance(plugin, MixedPrecision) and scaler is not None and not isinstance(scaler, ShardedGradScaler):
+            plugin.scaler = _sharded_scaler(scaler)
+        self._precision_plugin = plugin
 
     # ------------------------------------------------------------------------------------------------ wrapping
     def setup(self, trainer: L.Trainer) -> None:
@@ -272,6 +295,14 @@ class ParoStrategy(DDPStrategy):
                 f"ParoStrategy checkpoints hold one optimizer; configure_optimizers returned {len(optimizers)}"
             )
         return optimizers[0] if optimizers else None
+
+
+def _sharded_scaler(scaler: torch.amp.GradScaler) -> ShardedGradScaler:
+    """A ``ShardedGradScaler`` over the default process group with ``scaler``'s device, settings and state."""
+    sharded = ShardedGradScaler(device=scaler._device, enabled=scaler.is_enabled(), process_group=None)
+    if scaler.is_enabled():
+        sharded.load_state_dict(scaler.state_dict())
+    return sharded
 
 
 def _register() -> None:

@@ -12,10 +12,11 @@ Everything else comes from ``TrainingArguments`` as usual: ``gradient_accumulati
 runs on the last micro-step only), ``max_grad_norm`` (``clip_grad_norm_`` over the sharded gradients: the global
 norm), ``bf16`` (``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``: bf16 compute and communication, gradients
 accumulated in float32, float32 masters; no autocast), ``optim`` (every torch optimizer; the default
-``adamw_torch_fused`` included), ``learning_rate``, ``weight_decay`` (the Trainer's own param groups),
-``activation_checkpointing`` (alias ``gradient_checkpointing``; non-reentrant unless ``activation_checkpointing_kwargs``
-say otherwise), ``lr_scheduler_type``, ``logging_steps``, ``eval_strategy``, ``save_steps`` and
-``load_best_model_at_end`` (both need ``save_only_model=False``, the default, as resuming does).
+``adamw_torch_fused`` included; schedule-free ones too, whose ``eval()``/``train()`` around an evaluation rewrite the
+parameters in place: they sync again after the switch, docs/sharded-module.md), ``learning_rate``, ``weight_decay``
+(the Trainer's own param groups), ``activation_checkpointing`` (alias ``gradient_checkpointing``; non-reentrant unless
+``activation_checkpointing_kwargs`` say otherwise), ``lr_scheduler_type``, ``logging_steps``, ``eval_strategy``,
+``save_steps`` and ``load_best_model_at_end`` (both need ``save_only_model=False``, the default, as resuming does).
 
 [Note: ParoTrainer and the Trainer's plumbing]
 - The model is wrapped when the trainer is built, so ``trainer.model`` is the ``ParoShardedModule`` (as the Trainer

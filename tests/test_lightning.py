@@ -5,13 +5,14 @@ its check's result. Every check compares parameters with Lightning's own DDP str
 """
 
 import pytest
+import torch
 from launch import assert_check, rank0_errors, torchrun_checks
 
 pytest.importorskip("lightning")
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
 
-CHECKS = ("train", "resume", "errors", "lifecycle", "empty_init", "bf16_mixed")
+CHECKS = ("train", "resume", "errors", "lifecycle", "empty_init", "bf16_mixed", "fp16_mixed", "ema_swap")
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +55,35 @@ def test_empty_init_trains_like_ddp(torchrun_output: str) -> None:
 
 def test_bf16_mixed_trains_like_ddp(torchrun_output: str) -> None:
     assert_check(torchrun_output, "bf16_mixed")
+
+
+def test_16_mixed_gets_a_sharded_grad_scaler() -> None:
+    """Lightning's "16-mixed" plugin, as the Trainer hands it to the strategy, carries a ShardedGradScaler over the
+    default process group (the world) with the plugin's own scaler settings; "bf16-mixed" has no scaler. In-process:
+    nothing is launched."""
+    import lightning as L
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from paro_torch.lightning import ParoStrategy
+
+    mine = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=7)
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=mine)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ParoStrategy("IIG"), plugins=[plugin], logger=False)
+    assert trainer.precision_plugin is plugin
+    scaler = plugin.scaler
+    assert isinstance(scaler, ShardedGradScaler) and scaler.process_group is None, scaler
+    assert (scaler.get_scale(), scaler.get_growth_interval(), scaler.is_enabled()) == (8.0, 7, True)
+    assert ParoStrategy(precision_plugin=MixedPrecision("bf16-mixed", "cpu")).precision_plugin.scaler is None
+
+
+def test_16_mixed_skips_an_overflow_on_every_rank(torchrun_output: str) -> None:
+    """precision "16-mixed" on paro_III with an inf in rank 0's gradient shard only: every rank skips that step and
+    halves its scale, as DDP does when every rank overflows (1e-5); a plain GradScaler skips in rank 0's group only."""
+    assert_check(torchrun_output, "fp16_mixed")
+
+
+def test_ema_swapped_in_for_validation_matches_ddp(torchrun_output: str) -> None:
+    """A callback copies an EMA of the weights into the (sharded) parameters in place for each of 4 validations and
+    copies them back after: validation losses and final parameters equal DDP's (1e-5)."""
+    assert_check(torchrun_output, "ema_swap")

@@ -4,6 +4,8 @@ One torchrun launch runs every check of workers/hf_trainer.py (start-up dominate
 reads its check's result. Every check compares numbers with a single-process plain-torch run or with another run.
 """
 
+import importlib.util
+
 import pytest
 from launch import assert_check, rank0_errors, torchrun_checks
 
@@ -12,7 +14,8 @@ pytest.importorskip("peft")
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
 
-CHECKS = ("full", "resume", "lora", "auto", "defaults")
+HAS_SCHEDULEFREE = importlib.util.find_spec("schedulefree") is not None
+CHECKS = ("full", "resume", "lora", "auto", "defaults", *(("schedule_free",) if HAS_SCHEDULEFREE else ()))
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +49,14 @@ def test_trainer_defaults_fused_adamw_and_activation_checkpointing(torchrun_outp
     activation checkpointing (recomputing) and in GGG without: losses, grad norms, learning rates and parameters equal
     one process (1e-5), where one stale parameter sync would leave them off by more than 1e-3."""
     assert_check(torchrun_output, "defaults")
+
+
+@pytest.mark.skipif(not HAS_SCHEDULEFREE, reason="needs the schedulefree package")
+def test_schedule_free_with_evaluations_matches_the_stock_trainer_on_ddp(torchrun_output: str) -> None:
+    """optim="schedule_free_adamw", whose optimizer.eval()/train() rewrite the parameters in place around each
+    evaluation, with an evaluation every 2 steps: IIG's losses, eval losses and parameters equal the stock Trainer's
+    on DDP (1e-5)."""
+    assert_check(torchrun_output, "schedule_free")
 
 
 def test_every_rank_exits_cleanly(torchrun_output: str) -> None:

@@ -12,6 +12,9 @@ CHECK in
   defaults  the Trainer's defaults for optim (fused AdamW), weight_decay (0) and max_grad_norm (1.0), in "auto" and
           IIG with activation checkpointing on and NNG with it off: losses, grad norms, learning rates and parameters
           equal the single-process reference (1e-5); checkpointing is on in the model and recomputes
+  schedule_free  optim="schedule_free_adamw" (its optimizer.eval()/train() rewrite the parameters in place around
+          each evaluation) with an evaluation every 2 steps, IIG against the stock Trainer on DDP: losses, eval losses
+          and parameters within 1e-5
 Rank 0 prints "CHECK <name> ok ..." after each check passes.
 """
 
@@ -379,12 +382,43 @@ def check_defaults(out: str) -> None:
     )
 
 
+def check_schedule_free(out: str) -> None:
+    """Schedule-free AdamW with evaluations between steps: ParoTrainer (IIG) equals the stock Trainer on DDP."""
+    steps, tol = 4, 1e-5
+    data, held_out = Tokens(steps * PER_DEVICE * WORLD * ACCUM), Tokens(2 * WORLD, seed=3)
+    runs = []
+    for cls, kw in ((Trainer, {}), (ParoTrainer, {"strategy": "IIG"})):
+        every_2 = dict(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=2)
+        args = arguments(f"{out}/schedule_free", steps, optim="schedule_free_adamw", lr_scheduler_type="constant",
+                         **every_2)  # fmt: skip
+        trainer = cls(model=make_model(), args=args, train_dataset=data, eval_dataset=held_out, **kw)
+        trainer.train()
+        optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+        assert type(optimizer).__name__ == "AdamWScheduleFree", type(optimizer)
+        model = trainer.model
+        state = model.full_state_dict() if isinstance(model, paro_torch.ParoShardedModule) else model.state_dict()
+        runs.append((trainer, {k: v.detach().clone() for k, v in state.items()}))
+    (ref, want), (trainer, got) = runs
+    assert trainer.model.strategy.code == "IIG" and not isinstance(ref.model, paro_torch.ParoShardedModule)
+    losses, ref_losses = logged(trainer, "loss"), logged(ref, "loss")
+    evals, ref_evals = logged(trainer, "eval_loss"), logged(ref, "eval_loss")
+    assert sorted(losses) == sorted(ref_losses) == list(range(1, steps + 1)), (losses, ref_losses)
+    assert sorted(evals) == sorted(ref_evals) == [2, 4], (evals, ref_evals)
+    off = max(abs(a[s] - b[s]) for a, b in ((losses, ref_losses), (evals, ref_evals)) for s in a)
+    assert off < tol, f"losses {losses}, eval losses {evals}; DDP's {ref_losses}, {ref_evals}"
+    worst = close(got, want, tol, "schedule-free IIG vs the stock Trainer on DDP")
+    rounded = [[round(v, 4) for v in d.values()] for d in (losses, evals)]
+    report("schedule_free", f"losses {rounded[0]}, eval losses {rounded[1]} within {off:.2e} of DDP's, "
+           f"max |param diff| {worst:.2e}")  # fmt: skip
+
+
 CHECKS = {
     "full": check_full,
     "resume": check_resume,
     "lora": check_lora,
     "auto": check_auto,
     "defaults": check_defaults,
+    "schedule_free": check_schedule_free,
 }
 
 

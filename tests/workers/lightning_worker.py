@@ -11,6 +11,13 @@ Usage: lightning_worker.py OUT_DIR CHECK[,CHECK...]; each check prints "CHECK <n
   empty_init: a module built under trainer.init_module(empty_init=True), fit on paro_IIG: equal to DDP from the
           same initial weights (read when the fit starts)
   bf16_mixed: precision="bf16-mixed" on paro_IIG against DDP
+  fp16_mixed: "16-mixed" (Lightning's MixedPrecision plugin, given explicitly: on the CPU accelerator Lightning turns
+          precision="16-mixed" into bf16) on paro_III with an inf put into rank 0's gradient shard only, at step 2:
+          the ShardedGradScaler skips that step and halves the scale on every rank, as DDP with the inf on every
+          rank; a plain GradScaler in its place skips in rank 0's group only (torch's DTensor reduces its found-inf
+          flag over the mesh dimensions the gradients are sharded on: the group, for III's optimizer states)
+  ema_swap: a callback that copies an EMA of the weights into the parameters in place for each validation and
+          copies them back after (4 validations): paro_IIG's validation losses and parameters equal DDP's
 """
 
 import os
@@ -22,6 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -80,8 +89,8 @@ class Classifier(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def data() -> DataLoader:
-    g = torch.Generator().manual_seed(1)
+def data(seed: int = 1) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
     n = STEPS // EPOCHS * ACCUM * BATCH * WORLD  # one epoch
     ds = TensorDataset(torch.randn(n, DIM, generator=g), torch.randint(0, CLASSES, (n,), generator=g))
     return DataLoader(ds, batch_size=BATCH, shuffle=False)  # Lightning adds a DistributedSampler
@@ -275,6 +284,131 @@ def check_bf16_mixed(out: Path) -> None:
     report("bf16_mixed", f"max |diff| {diff:.2e} against DDP (bf16 against fp32: {moved:.2e})")
 
 
+class InfInShard(L.Callback):
+    """Puts an inf into the first gradient element of ``ranks``' shards after the backward that ends optimizer step 2
+    (its gradients synced; the scaler unscales and checks them next), as an fp16 overflow in one shard shows."""
+
+    def __init__(self, ranks: set[int]) -> None:
+        self.ranks, self.batch_idx, self.placed = ranks, -1, 0
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: object, i: int) -> None:
+        self.batch_idx = i
+
+    @torch.no_grad()
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_step != 1 or self.batch_idx % ACCUM != ACCUM - 1 or RANK not in self.ranks:
+            return
+        for group in trainer.optimizers[0].param_groups:
+            for p in group["params"]:
+                local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                if local is not None and local.numel() > 0:
+                    local.view(-1)[0] = float("inf")
+                    self.placed += 1
+                    return
+
+
+def fit_fp16(strategy: str, inf_ranks: set[int], plain_scaler: bool = False) -> tuple[L.Trainer, Classifier, float]:
+    """A fit under Lightning's "16-mixed" plugin with an inf in ``inf_ranks``' gradients at step 2; with
+    ``plain_scaler`` the plugin's scaler is replaced by a plain GradScaler after the strategy set it up."""
+    L.seed_everything(0, verbose=False)
+    module, inf = Classifier(), InfInShard(inf_ranks)
+    t = trainer(strategy, plugins=[MixedPrecision("16-mixed", "cpu")], callbacks=[inf])
+    if plain_scaler:
+        t.strategy.precision_plugin.scaler = torch.amp.GradScaler("cpu")
+    t.fit(module, data())
+    assert inf.placed == (RANK in inf_ranks), inf.placed
+    return t, module, t.strategy.precision_plugin.scaler.get_scale()
+
+
+def every_rank(value: float) -> list[float]:
+    values = [torch.zeros(1, dtype=torch.float64) for _ in range(WORLD)]
+    dist.all_gather(values, torch.tensor([value], dtype=torch.float64))
+    return [v.item() for v in values]
+
+
+def check_fp16_mixed(out: Path) -> None:
+    plugin = ParoStrategy("IIG", precision_plugin=MixedPrecision("16-mixed", "cpu")).precision_plugin
+    assert isinstance(plugin.scaler, ShardedGradScaler), plugin.scaler
+    init, skipped = plugin.scaler.get_scale(), plugin.scaler.get_scale() * plugin.scaler.get_backoff_factor()
+    ref_t, ref_m, ref_scale = fit_fp16("ddp", set(range(WORLD)))  # every rank overflows: DDP skips the step
+    assert every_rank(ref_scale) == [skipped] * WORLD, every_rank(ref_scale)
+    want = params(ref_t, ref_m)
+    t, module, scale = fit_fp16("paro_III", {0})
+    assert isinstance(t.strategy.precision_plugin.scaler, ShardedGradScaler), t.strategy.precision_plugin.scaler
+    scales = every_rank(scale)
+    assert scales == [skipped] * WORLD, f"an inf in rank 0's shard: scales {scales} (DDP: {skipped}, from {init})"
+    diff = worst(params(t, module), want)
+    assert diff < TOL, f"16-mixed on paro_III differs from DDP (the step skipped everywhere) by {diff:.3g}"
+    # the check can fail: a plain GradScaler sees rank 0's inf in rank 0's group only (ranks 0 and 1)
+    t, module, scale = fit_fp16("paro_III", {0}, plain_scaler=True)
+    plain = every_rank(scale)
+    off = worst(params(t, module), want)
+    assert plain == [skipped] * 2 + [init] * (WORLD - 2) and off > 100 * TOL, (plain, off)
+    report("fp16_mixed", f"scales {scales} on every rank as DDP's, max |diff| {diff:.2e}; a plain GradScaler: "
+           f"scales {plain}, parameters off by {off:.2e}")  # fmt: skip
+
+
+class EMASwap(L.Callback):
+    """An EMA of the weights, copied into the parameters for each validation and back after, in place as users do.
+
+    Under ParoStrategy the parameters are this rank's shards (DTensors), and so are the EMA and the backup.
+    """
+
+    def __init__(self, decay: float = 0.5) -> None:
+        self.decay = decay
+        self.ema: list[torch.Tensor] = []
+        self.backup: list[torch.Tensor] = []
+        self.val_losses: list[float] = []
+        self.gaps: list[float] = []
+        """Per validation: max |EMA - weights| on this rank's part."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.ema = [p.detach().clone() for p in pl_module.parameters()]
+
+    @torch.no_grad()
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: object, batch: object, batch_idx: int
+    ) -> None:
+        for e, p in zip(self.ema, pl_module.parameters(), strict=True):
+            e.lerp_(p, 1 - self.decay)
+
+    @torch.no_grad()
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.backup = [p.detach().clone() for p in pl_module.parameters()]
+        gaps = [e - p for e, p in zip(self.ema, self.backup, strict=True)]
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in gaps]
+        self.gaps.append(max(x.abs().max().item() for x in local if x.numel()))
+        for p, e in zip(pl_module.parameters(), self.ema, strict=True):
+            p.data.copy_(e)
+
+    @torch.no_grad()
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.val_losses.append(trainer.callback_metrics["val_loss"].item())
+        for p, b in zip(pl_module.parameters(), self.backup, strict=True):
+            p.copy_(b)
+
+
+def check_ema_swap(out: Path) -> None:
+    runs = []
+    for strategy in ("ddp", "paro_IIG"):
+        L.seed_everything(0, verbose=False)
+        module, ema = Classifier(), EMASwap()
+        t = trainer(strategy, callbacks=[ema], val_check_interval=ACCUM, num_sanity_val_steps=1)
+        t.fit(module, data(), data(seed=2))
+        runs.append((params(t, module), ema))
+    (want, ref), (got, ema) = runs
+    validations = 2 * EPOCHS  # after each optimizer step
+    assert len(ref.val_losses) == len(ema.val_losses) == validations, (ref.val_losses, ema.val_losses)
+    assert min(ref.gaps[1:]) > 100 * TOL, f"the EMA must differ from the weights it replaces: {ref.gaps}"
+    off = max(abs(a - b) for a, b in zip(ema.val_losses, ref.val_losses, strict=True))
+    assert off < TOL, f"validation losses with the EMA swapped in: {ema.val_losses} against DDP's {ref.val_losses}"
+    diff = worst(got, want)
+    assert diff < TOL, f"after EMA swaps around validation, paro_IIG differs from DDP by {diff:.3g}"
+    report("ema_swap", f"{validations} validation losses {[round(v, 4) for v in ema.val_losses]} within {off:.2e} of "
+           f"DDP's (EMA-weights gap >= {min(ref.gaps[1:]):.2e}), parameters {diff:.2e}")  # fmt: skip
+
+
 CHECKS = {
     "train": check_train,
     "resume": check_resume,
@@ -282,6 +416,8 @@ CHECKS = {
     "lifecycle": check_lifecycle,
     "empty_init": check_empty_init,
     "bf16_mixed": check_bf16_mixed,
+    "fp16_mixed": check_fp16_mixed,
+    "ema_swap": check_ema_swap,
 }
 
 
