@@ -62,22 +62,22 @@ class _Issued:
 
     def __init__(self, value: Any, event: torch.cuda.Event, device: torch.device, inputs: list[torch.Tensor]) -> None:
         self._value, self._event, self._device = value, event, device
-        self._inputs: list[torch.Tensor] | None = inputs
+        self._inputs, self._waited = inputs, False
 
     def release(self) -> None:
         """The caller's stream waits for the call; its inputs may be freed from here on."""
-        if self._inputs is not None:
+        if not self._waited:
             torch.cuda.current_stream(self._device).wait_event(self._event)
-            self._inputs = None
+            self._inputs, self._waited = [], True
 
     def result(self) -> Any:
-        torch.cuda.current_stream(self._device).wait_event(self._event)
-        self._inputs = None
+        self.release()
         return self._value
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # at interpreter exit CUDA may be gone
-            self.release()
+        if self._inputs:  # dropped unwaited: its inputs must outlive the call
+            with contextlib.suppress(Exception):  # at interpreter exit CUDA may be gone
+                self.release()
 
 
 _callers = threading.local()

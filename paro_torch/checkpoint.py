@@ -2,7 +2,7 @@
 
 Layout, independent of the strategy, the group size and the world size (so loading reshards):
 
-- ``model.<name>``: each parameter as the DTensor ``state_dict()`` holds (trainable ones: float32 masters) and
+- ``model.<name>``: each parameter as the DTensor ``state_dict()`` holds (trainable ones: the masters) and
   each buffer (rank 0's);
 - ``optim.<name>.<state>``: optimizer states (DTensors shaped like the parameters, and scalars such as ``step``);
 - ``optim.param_groups``: the hyperparameters of each param group.
@@ -312,7 +312,7 @@ def _install_optimizer_state(
 def export_safetensors(
     model: ParoShardedModule, path: str | os.PathLike[str], dtype: torch.dtype | None = None
 ) -> None:
-    """Writes the whole model (float32 masters, or ``dtype``) as one safetensors file on rank 0; call on every rank."""
+    """Writes the whole model (the masters, or ``dtype``) as one safetensors file on rank 0; call on every rank."""
     from safetensors.torch import save_file
 
     full = model.full_state_dict(rank0_only=True)

@@ -280,7 +280,7 @@ class ParoStrategy(DDPStrategy):
             shutil.rmtree(filepath, ignore_errors=True)
 
     def save_consolidated(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
-        """Writes the whole model (float32 masters, or ``dtype``) as one safetensors file on rank 0; collective."""
+        """Writes the whole model (the masters, or ``dtype``) as one safetensors file on rank 0; collective."""
         sharded.export_safetensors(self._paro_model(), path, dtype)
 
     def _paro_model(self) -> ParoShardedModule:

@@ -315,7 +315,7 @@ class ParoShardedModule(nn.Module):
         return self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-        """Every parameter whole (masters in float32 for trainable ones) and every buffer, under its original name.
+        """Every parameter whole (masters for trainable ones) and every buffer, under its original name.
 
         Call on every rank. With ``rank0_only`` the other ranks return an empty dict and hold one buffer at a
         time while gathering (as FSDP's ``rank0_only``), for saving models that do not fit one rank twice.

@@ -10,8 +10,8 @@ Usage (launch with ``torchrun``; ``PARO_GROUP_SIZE`` or torchrun's ``LOCAL_WORLD
 
 Everything else comes from ``TrainingArguments`` as usual: ``gradient_accumulation_steps`` (the boundary gradient sync
 runs on the last micro-step only), ``max_grad_norm`` (``clip_grad_norm_`` over the sharded gradients: the global
-norm), ``bf16`` (``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``: bf16 compute and communication, gradients
-accumulated in float32, float32 masters; no autocast), ``optim`` (every torch optimizer; the default
+norm), ``bf16`` (``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``: bf16 compute and communication, masters and
+gradient accumulation in the model's dtype; no autocast), ``optim`` (every torch optimizer; the default
 ``adamw_torch_fused`` included; schedule-free ones too, whose ``eval()``/``train()`` around an evaluation rewrite the
 parameters in place: they sync again after the switch, docs/sharded-module.md), ``learning_rate``, ``weight_decay``
 (the Trainer's own param groups), ``activation_checkpointing`` (alias ``gradient_checkpointing``; non-reentrant unless

@@ -82,6 +82,10 @@ class Engine:
         self._inputs_only = False
         """This backward accumulates into no parameter (see [Note: backward to the inputs])."""
         self._keep_gathered = False
+        self._calls = 0
+        """Forwards with grad since the last backward that reduced (see [Note: forwards before one backward])."""
+        self._call = 0
+        """The call whose leaves the current forward's views come from."""
         self._last_training: bool | None = None
         """The wrapped module's ``training`` at the last forward (see [Note: parameter sync])."""
         master_ids = {id(p) for b in self.flat_buffers if b.trainable for p in b.params}
@@ -141,6 +145,8 @@ class Engine:
         if self._root_grad:
             self.schedule.record_run(unit)
         self.schedule.acquire(unit, self._in_backward)
+        if self._root_grad:
+            unit.begin_call(self._call)
         unit.set_views()
 
     def _make_post_forward(self, unit: Unit) -> Callable[..., Any]:
@@ -198,7 +204,8 @@ class Engine:
         if self._in_backward:
             return
         self._in_backward = True
-        reached = {id(b) for b, leaf in self._grad_leaves() if will_execute(leaf)}
+        reached = {(id(b), c) for b in self.reducer.order for c, leaf in b.grad_leaves() if will_execute(leaf)}
+        calls = sorted({c for _, c in reached}, reverse=True)  # the last call's backward runs first
         self._inputs_only = not reached
         self._keep_gathered = self._inputs_only and torch.is_grad_enabled()  # create_graph
         Variable._execution_engine.queue_callback(self._end_backward)
@@ -206,18 +213,12 @@ class Engine:
         if self.strategy.p != N:
             self.schedule.begin_backward(keep=self._inputs_only)
             if not self._inputs_only:
-                self.reducer.set_sequence(self.schedule.reduce_order())
+                self.reducer.set_sequence(self.schedule.reduce_order(), calls)
         if not self._inputs_only:  # see [Note: reduction order]
-            self.reducer.absent(
-                [b for b in self.reducer.order if id(b) not in reached and self.reducer.unit_of(b).index not in later]
-            )
-
-    def _grad_leaves(self) -> Iterator[tuple[FlatBuffer, torch.Tensor]]:
-        """The whole-buffer leaves autograd accumulates the trainable parameters' gradients into."""
-        for b in self.reducer.order:
-            leaf = b.full if b.full is not None else b.p_shard
-            if leaf.requires_grad:
-                yield b, leaf
+            self.reducer.absent([
+                (b, c) for b in self.reducer.order for c in calls
+                if (id(b), c) not in reached and self.reducer.unit_of(b).index not in later
+            ])  # fmt: skip
 
     def _end_backward(self) -> None:
         """Runs once when autograd finishes: reduce unused buffers as zeros, agree on use at a boundary, reshard."""
@@ -233,6 +234,7 @@ class Engine:
             self.buffer_sync.note_changes()
         keys = self.schedule.run_keys if self.strategy.p == N else []  # see [Note: run order]
         flags = self.reducer.finish([*keys, *self.buffer_sync.changed, self._late_step])
+        self.end_calls()
         self.reset_units()
         if not sync:
             return
@@ -268,6 +270,12 @@ class Engine:
         for b in self.flat_buffers:
             b.retype(precision)
 
+    def end_calls(self) -> None:
+        """The next forward is a first call (see [Note: forwards before one backward] in reducer.py)."""
+        self._calls = 0
+        for b in self.flat_buffers:
+            b.end_calls()
+
     def reset_units(self) -> None:
         """Every unit idle and resharded (its modules' attributes back on the shards: no view of freed storage)."""
         for u in self.units:
@@ -291,6 +299,7 @@ class Engine:
         self.schedule.drop_pass()
         self.schedule.forget_forwards()
         self.reducer.drop()
+        self.end_calls()
         self.reset_units()
 
     # --------------------------------------------------------------------------------------------- forward
@@ -327,11 +336,18 @@ class Engine:
         if self.module.training and torch.is_grad_enabled():
             self.buffer_sync.before_forward(self.schedule.lane, self.comms.gather_world)
         self._root_grad = torch.is_grad_enabled()
+        if self._root_grad and not self._in_autograd():
+            # leaves of its own per call (see [Note: forwards before one backward] in reducer.py), unless a call
+            # ran a reentrant checkpoint: its backward is a forward of its own, made with the leaves current then
+            self._call = self._calls if not self.schedule.ran_without_grad else 0
+            self._calls += 1
         self.schedule.begin_forward()
         root.state = TrainingState.FORWARD
         if self._root_grad:
             self.schedule.record_run(root)
         self.schedule.acquire(root, self._in_backward)
+        if self._root_grad:
+            root.begin_call(self._call)
         root.set_views()
 
     def root_exit(self, out: Any) -> Any:

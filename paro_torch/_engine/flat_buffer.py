@@ -33,7 +33,7 @@ class FlatBuffer(BufferStorage):
         mesh: DeviceMesh,
         trainable: bool,
         precision: Precision,
-        on_grad_ready: Callable[[FlatBuffer, torch.Tensor], None] | None = None,
+        on_grad_ready: Callable[[FlatBuffer, torch.Tensor, int], None] | None = None,
         reduce_groups: ParoGroups | None = None,
         device: torch.device | None = None,
         received: tuple[int, torch.Tensor] | None = None,
@@ -43,7 +43,7 @@ class FlatBuffer(BufferStorage):
         """Reductions and t_syncg (the reduction lane)."""
         self.rgroups = reduce_groups or groups
         """The groups gradients are reduced on: a twin of ``groups`` when reductions run on their own lane."""
-        self.on_grad_ready = on_grad_ready or (lambda b, grad: b.reduce(grad))
+        self.on_grad_ready = on_grad_ready or (lambda b, grad, call: b.reduce(grad))
         self._pre, self._post = divide_factors(groups.world)
         self.grad_ready = False
         self.g_acc: torch.Tensor | None = None
@@ -123,13 +123,13 @@ class FlatBuffer(BufferStorage):
                 return True
         return False
 
-    def _on_grad(self, full: torch.Tensor) -> None:
-        """Post-accumulate-grad hook of the whole-buffer leaf: hand the gradient over, reshard."""
-        assert full.grad is not None
-        grad, full.grad = full.grad, None
+    def _on_grad(self, leaf: torch.Tensor, call: int) -> None:
+        """Post-accumulate-grad hook of a call's whole-buffer leaf: hand the gradient over, reshard."""
+        assert leaf.grad is not None
+        grad, leaf.grad = leaf.grad, None
         self.reshard()
         self.grad_ready = True
-        self.on_grad_ready(self, grad)
+        self.on_grad_ready(self, grad, call)
 
     def reduce(self, grad: torch.Tensor | None) -> None:
         """One micro-step: reduces the natural-layout gradient (None: zeros) to g's layout and accumulates it.

@@ -24,7 +24,7 @@ def rank0_module_state(engine: Engine) -> dict[str, Any]:
 
 
 def full_state_dict(engine: Engine, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-    """Every parameter whole (masters in float32 for trainable ones) and every buffer; collective."""
+    """Every parameter whole (masters for trainable ones) and every buffer; collective."""
     out: dict[str, torch.Tensor] = {}
     keep = not rank0_only or engine.groups.rank == 0
     own = rank0_module_state(engine)

@@ -21,8 +21,8 @@ from paro_torch._lanes import for_caller
 from paro_torch.api import Precision
 
 
-def weak_hook(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
-    """A tensor hook that calls ``method`` while its object lives.
+def weak_hook(method: Callable[..., None], *extra: object) -> Callable[[torch.Tensor], None]:
+    """A tensor hook that calls ``method(tensor, *extra)`` while its object lives.
 
     A hook on a tensor that its own object holds must not hold the object: autograd keeps tensor hooks where
     Python's garbage collector cannot see the cycle, and the buffer (with its module) would never be freed.
@@ -32,7 +32,7 @@ def weak_hook(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor]
     def hook(t: torch.Tensor) -> None:
         bound = ref()
         if bound is not None:
-            bound(t)
+            bound(t, *extra)
 
     return hook
 
@@ -115,6 +115,10 @@ class BufferStorage(BufferLayout):
             self.params = [nn.Parameter(t, requires_grad=False) for t in self._dtensors(self.p_shard.detach())]
         self._local_views = [p._local_tensor for p in self.params]
         """Each parameter's shard as a view of the storage above (what ``adopt`` points it back at)."""
+        self._call_leaves: dict[int, torch.Tensor] = {}
+        """Calls after the first since the last backward: their leaves (see [Note: forwards before one backward])."""
+        self._call_leaf: torch.Tensor | None = None
+        """The leaf the modules' views come from now (None: ``full``, the first call's)."""
 
     def adopt(self) -> None:
         """Takes back the parameters after ``Module._apply`` (``.to``, ``.cpu``, ``.float``) swapped their tensors.
@@ -150,6 +154,7 @@ class BufferStorage(BufferLayout):
         self.precision, self.param_dtype = precision, dtype
         self.p_shard = self.p_shard.detach().to(dtype, copy=True)
         self.full = self.p_shard if s.p == N else None  # p = I, G: made again in the new dtype when gathered
+        self.end_calls()
         region = self.p_shard.detach()
         if self.trainable:
             assert old_master is not None
@@ -168,13 +173,42 @@ class BufferStorage(BufferLayout):
             param.grad = grad
         self._local_views = [p._local_tensor for p in self.params]
 
-    def _grad_leaf(self, whole: torch.Tensor) -> None:
+    def _grad_leaf(self, whole: torch.Tensor, call: int = 0) -> None:
         """Makes the whole natural buffer the leaf autograd accumulates the unit's gradient into."""
         whole.requires_grad_(True)
-        whole.register_post_accumulate_grad_hook(weak_hook(self._on_grad))
+        whole.register_post_accumulate_grad_hook(weak_hook(self._on_grad, call))
 
-    def _on_grad(self, full: torch.Tensor) -> None:
+    def _on_grad(self, leaf: torch.Tensor, call: int) -> None:
         raise NotImplementedError  # the gradient schedule's (FlatBuffer)
+
+    def begin_call(self, call: int) -> None:
+        """Where the modules' views come from in a forward with grad: the call's leaf.
+
+        Call 0's is ``full``; a later call's is a leaf of its own on the same storage (trainable, p = I, G; see
+        [Note: forwards before one backward] in reducer.py).
+        """
+        if not self.trainable or self.strategy.p == N:
+            return
+        if call == 0:
+            self._call_leaf = None
+            return
+        leaf = self._call_leaves.get(call)
+        if leaf is None:
+            assert self.full is not None, "unshard before begin_call"
+            leaf = self._call_leaves[call] = self.full.detach()
+            self._grad_leaf(leaf, call)
+        self._call_leaf = leaf
+
+    def grad_leaves(self) -> list[tuple[int, torch.Tensor]]:
+        """(call, leaf) for every call's leaf that autograd may accumulate this buffer's gradient into."""
+        first = self.full if self.full is not None else self.p_shard
+        out = [(0, first)] if first.requires_grad else []
+        return out + list(self._call_leaves.items())
+
+    def end_calls(self) -> None:
+        """After a backward that reduced: the next forward is a first call again."""
+        self._call_leaves.clear()
+        self._call_leaf = None
 
     # -- parameters: p → N (unshard) and back (reshard) --------------------------------------------------------
     def unshard(self) -> torch.Tensor:
@@ -259,7 +293,7 @@ class BufferStorage(BufferLayout):
         One ``split`` rather than a slice per parameter: autograd then builds the buffer's gradient with one
         concatenation, where slices would each materialise a whole-buffer gradient to be summed.
         """
-        full = self.full if self.full is not None else self.p_shard
+        full = self._call_leaf if self._call_leaf is not None else self.full if self.full is not None else self.p_shard
         parts = full.split(self._split_sizes)
         return [part.view(s.shape) for part, s in zip(parts, self.slots, strict=False)]
 

@@ -94,6 +94,11 @@ class Unit:
             b.unshard()
         self.needs_sync = False
 
+    def begin_call(self, call: int) -> None:
+        """Its views for a forward with grad come from that call's leaves (see ``BufferStorage.begin_call``)."""
+        for b in self.buffers:
+            b.begin_call(call)
+
     def set_views(self) -> None:
         """Points the modules' attributes at whole parameters for compute (``named_parameters()`` keep the shards).
 

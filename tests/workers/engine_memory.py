@@ -13,7 +13,9 @@ and three blocks in the step (lane timing under load: up to 2.5 measured). Shape
   run order, not the registration order (before: 6 blocks at once in forward);
 - tower: a vision tower of two blocks no rank runs (text-only batches) beside six text blocks: not gathered;
 - skipped: rank 1 skips the last text block: the text blocks before it reduce their gradients as they complete,
-  not when that rank's backward ends (before: five blocks' gradients held on rank 1).
+  not when that rank's backward ends (before: five blocks' gradients held on rank 1);
+- two_forwards: the chain run twice (each half of the batch) before one backward: each forward's backward gathers
+  and reduces each block on its own (before: every block gathered, and its gradient held, through backward).
 """
 
 import gc
@@ -119,12 +121,15 @@ def status(field: str) -> int:
     raise KeyError(field)
 
 
-def step(model: ParoShardedModule, x: torch.Tensor) -> tuple[float, float]:
-    """One training step; the peak growth over the resident set before it, in blocks, in forward and in all."""
+def step(model: ParoShardedModule, x: torch.Tensor, forwards: int = 1) -> tuple[float, float]:
+    """One training step; the peak growth over the resident set before it, in blocks, in forward and in all.
+
+    ``forwards``: forwards before the one backward (halves of the batch), as a reward model's chosen and rejected.
+    """
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
     start = status("VmRSS")
-    loss = model(x).square().mean()
+    loss = sum(model(part).square().mean() for part in x.chunk(forwards))
     forward = status("VmHWM") - start
     loss.backward()
     whole = status("VmHWM") - start
@@ -132,7 +137,7 @@ def step(model: ParoShardedModule, x: torch.Tensor) -> tuple[float, float]:
     return forward / BLOCK, whole / BLOCK
 
 
-SHAPES = {"chain": Chain, "unet": UNet, "tower": Tower, "skipped": Tower}
+SHAPES = {"chain": Chain, "unet": UNet, "tower": Tower, "skipped": Tower, "two_forwards": Chain}
 SLACK = (0.75, 3.0)  # blocks above the chain's peak: in forward, in the whole step (before: +3.6 to +4.9)
 
 
@@ -149,7 +154,7 @@ def peak(shape: str, code: str) -> tuple[float, float]:
     x = torch.randn(2, WIDTH)
     peaks = []
     for _ in range(4):
-        peaks.append(step(model, x))
+        peaks.append(step(model, x, 2 if shape == "two_forwards" else 1))
         opt.step()
         opt.zero_grad()
     del model, opt
@@ -167,7 +172,7 @@ def main() -> None:
         chain = peak("chain", code)
         if rank == 0:
             print(f"{code} chain: peak {chain[0]:.2f} blocks in forward, {chain[1]:.2f} in the step")
-        for shape in ("unet", "tower", "skipped"):
+        for shape in ("unet", "tower", "skipped", "two_forwards"):
             got = peak(shape, code)
             if rank == 0:
                 print(f"{code} {shape}: peak {got[0]:.2f} blocks in forward, {got[1]:.2f} in the step")
