@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 
 pub use memory::Memory;
 pub use presets::{GpuPreset, GPU_PRESETS};
-pub use request::{Cluster, CollectiveAlgorithm, Request, Selection, Training, MAX_WORLD};
+pub use request::{Cluster, CollectiveAlgorithm, Link, Request, Selection, Training, MAX_WORLD};
 pub use schedule::{IssuePolicy, StepTime};
 pub use traffic::{CollectiveCost, Phase};
 
