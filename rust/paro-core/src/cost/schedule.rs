@@ -21,8 +21,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::context::Context;
 use super::traffic::Call;
-use super::Context;
 use crate::comm::Level;
 use crate::error::Result;
 use crate::strategy::{Granularity, Strategy};

@@ -3,7 +3,7 @@
 use super::memory::padded_numel;
 use super::*;
 use crate::comm::{Collective, Level};
-use crate::model::Block;
+use crate::model::{Block, LlamaShape};
 use crate::model::{ModelSpec, Trainable};
 use proptest::prelude::*;
 

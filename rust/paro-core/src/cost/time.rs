@@ -4,9 +4,9 @@
 //! a unit's forward and backward (FLOPs over the rank's throughput) and the optimizer step (the os shard over the
 //! optimizer's throughput).
 
+use super::context::Context;
 use super::request::{CollectiveAlgorithm, Link};
 use super::traffic::{Call, Traffic};
-use super::Context;
 use crate::comm::{Collective, Level};
 use crate::planner::ChunkPolicy;
 
