@@ -34,11 +34,7 @@ pub struct Request {
     pub selection: Selection,
 }
 
-/// The data-parallel cluster, per rank.
-///
-/// [Note: the wire form. In JSON a cluster is one flat object whose level figures carry their level as a prefix
-/// (`intra_bandwidth`, `inter_latency`, ...), as `paro plan`, `paro_torch.auto` and the recorded requests write
-/// it; `ClusterRecord` is that form, and the conversions below are its only readers and writers.]
+/// The data-parallel cluster, per rank; one flat object in JSON (see [Note: the wire form]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(from = "ClusterRecord", into = "ClusterRecord")]
 pub struct Cluster {
@@ -134,6 +130,11 @@ impl Link {
         }
     }
 }
+
+// [Note: the wire form] In JSON a cluster is one flat object whose level figures carry their level as a prefix
+// (`intra_bandwidth`, `inter_latency`, ...), as `paro plan`, `paro_torch.auto` and recorded requests write it.
+// `ClusterRecord` is that form, and the two conversions below are its only readers and writers. The intra-group
+// level has no all-reduce bandwidth there (see `Link::all_reduce_bandwidth`).
 
 /// The wire form of a [`Cluster`] (its fields' meanings are there and on [`Link`]).
 #[derive(Serialize, Deserialize)]
