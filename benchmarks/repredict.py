@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
 import math
 import sys
@@ -83,11 +82,11 @@ def repredict(
             continue
         if run["scenario"] not in blocks:
             blocks[run["scenario"]] = blocks_of(cfg, run["scenario"], groups)
-        known = LinkCalibration.__dataclass_fields__  # a record may carry figures a later probe no longer takes
-        links = LinkCalibration(**{k: v for k, v in extra["links"].items() if k in known})
+        known = LinkCalibration.record_keys()  # a record may carry figures a later probe no longer takes
+        links = LinkCalibration.from_record({k: v for k, v in extra["links"].items() if k in known})
         if links.overlap_loops is not None:  # the overlap figures as the installed probe derives them
-            links = dataclasses.replace(links, **auto.overlaps_from_loops(links, groups))
-        links = dataclasses.replace(links, **overrides)
+            links = auto.overlaps_from_loops(links, groups)
+        links = links.replace_figures(**overrides)
         is_auto = run["variant"] == "paro:auto"
         only = None if is_auto else extra["strategy"]
         report = estimate(blocks[run["scenario"]], groups, cfg, links, only, shared_cores)
@@ -113,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {}
     for item in args.set:
         name, _, value = item.partition("=")
-        if name not in LinkCalibration.__dataclass_fields__:
+        if name not in LinkCalibration.record_keys():
             ap.error(f"--set {item}: {name!r} is not a LinkCalibration field")
         overrides[name] = float(value)
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -45,9 +45,9 @@ def main() -> None:
         if dist.get_rank() == 0:
             print(
                 f"probe {i}: step {1e9 / got.compute_flops:.4f} s (loops' steps {loops}), "
-                f"intra slowdown {got.intra_slowdown:.2f} "
-                f"rs {got.intra_reduce_scatter_slowdown:.2f} overlap {got.intra_overlap:.2f}, "
-                f"inter slowdown {got.inter_slowdown:.2f}, adamw {got.optimizer_params_per_s / 1e6:.1f} M/s "
+                f"intra slowdown {got.intra.slowdown:.2f} "
+                f"rs {got.intra.reduce_scatter_slowdown:.2f} overlap {got.intra.overlap:.2f}, "
+                f"inter slowdown {got.inter.slowdown:.2f}, adamw {got.optimizer_params_per_s / 1e6:.1f} M/s "
                 f"({time.perf_counter() - t0:.0f} s)",
                 flush=True,
             )
