@@ -28,8 +28,6 @@ from typing import Any
 import torch
 
 from paro_torch import auto
-from paro_torch._engine.planning import cost_blocks
-from paro_torch._engine.units import assign_units
 from paro_torch.api import Precision
 from paro_torch.auto import LinkCalibration
 
@@ -49,7 +47,7 @@ def blocks_of(cfg: dict[str, Any], scenario: str, groups: _Shape) -> list[dict[s
     """The cost model's units for the benchmark's model in ``scenario`` (built on the meta device)."""
     with torch.device("meta"):
         model, _ = apply_scenario(build_model(cfg), dict(cfg, scenario=scenario))
-    return cost_blocks([a[1] for a in assign_units(model, {decoder_layer_class()})], groups)
+    return auto.cost_blocks(model, {decoder_layer_class()}, groups.world, groups.group_size)
 
 
 def estimate(

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -641,6 +642,14 @@ def _overlaps(
     return overlaps_from_loops(dataclasses.replace(links, overlap_loops=recorded), groups)
 
 
+def probe_groups(group_size: int | None = None) -> ParoGroups:
+    """This job's intra-group and inter-group communicators, as the probes here take them; every rank must call it.
+
+    ``group_size``: ranks per group; default PARO_GROUP_SIZE, else torchrun's LOCAL_WORLD_SIZE, else all ranks.
+    """
+    return build_groups(group_size)
+
+
 def calibrate(
     path: str | os.PathLike[str] | None = None, group_size: int | None = None, device: torch.device | None = None
 ) -> LinkCalibration:
@@ -769,6 +778,21 @@ def _request(
         "training": training,
         "collectives": "phased",  # the engine issues a global call's levels one after the other on its lane
     }
+
+
+def cost_blocks(module: torch.nn.Module, wrap_policy: Any, world: int, group_size: int) -> list[dict[str, Any]]:
+    """The cost model's units of ``module`` (``estimate``'s ``blocks``), as ``ParoShardedModule`` makes them.
+
+    One unit per module that ``wrap_policy`` wraps (a set of module classes or a callable, as ParoShardedModule
+    takes it), then the root with the rest; each with its parameter counts and its buffers' padded sizes on
+    ``world`` ranks in groups of ``group_size`` (``ParoShardedModule.cost_blocks`` for that module). The module may
+    be on the meta device: nothing is allocated or communicated.
+    """
+    from paro_torch._engine.planning import cost_blocks as unit_blocks  # not at the top: it imports this module
+    from paro_torch._engine.units import assign_units
+
+    shape = SimpleNamespace(world=world, group_size=group_size)  # all that the sizes depend on
+    return unit_blocks([a[1] for a in assign_units(module, wrap_policy)], shape)  # type: ignore[arg-type]
 
 
 def model_flops(

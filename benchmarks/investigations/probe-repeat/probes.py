@@ -19,7 +19,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from _training_worker import apply_scenario, build_model  # noqa: E402
 
 from paro_torch import auto  # noqa: E402
-from paro_torch._groups import build_groups  # noqa: E402
 from paro_torch.auto import LinkCalibration  # noqa: E402
 
 MODEL = {"hidden": 384, "intermediate": 1024, "layers": 4, "heads": 8, "kv_heads": 4, "vocab": 4096, "seq": 128}
@@ -36,7 +35,7 @@ def main() -> None:
     cfg = {"model": MODEL, "seed": 0, "scenario": os.environ.get("SC", "lora"), "lora_r": 8, "partial_fraction": 1 / 16}
     model, _ = apply_scenario(build_model(cfg), cfg)
     x = torch.randint(0, MODEL["vocab"], (2, MODEL["seq"]))
-    groups = build_groups(2)
+    groups = auto.probe_groups(2)
     links = LinkCalibration.load(sys.argv[1])
     for i in range(3):
         t0 = time.perf_counter()
