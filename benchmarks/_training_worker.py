@@ -185,7 +185,7 @@ class System:
         self.links = wrapped.links
         mine = next(s for s in wrapped.plan["strategies"] if s["code"] == wrapped.strategy.code)
         self.extra["strategy"] = wrapped.strategy.code
-        self.extra["links"] = _asdict(wrapped.links)
+        self.extra["links"] = wrapped.links.to_record()
         self.extra["predicted"] = {
             "time_s": mine["time_s"],
             "step": mine["step"],
@@ -358,12 +358,6 @@ class System:
         return None
 
 
-def _asdict(obj: Any) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    return asdict(obj)
-
-
 class _Mallinfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in
                 ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
@@ -430,7 +424,7 @@ def calibrate(cfg: dict[str, Any]) -> None:
     """Measures the links of this layout and writes them where every paro run will read them."""
     links = paro_torch.calibrate(cfg["calibration_path"], group_size=cfg["per_node"])
     if dist.get_rank() == 0:
-        emit("calibration", path=cfg["calibration_path"], links=_asdict(links))
+        emit("calibration", path=cfg["calibration_path"], links=links.to_record())
 
 
 class _Rank:

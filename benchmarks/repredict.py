@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
 import math
 import sys
@@ -29,8 +28,6 @@ from typing import Any
 import torch
 
 from paro_torch import auto
-from paro_torch._engine.planning import cost_blocks
-from paro_torch._engine.units import assign_units
 from paro_torch.api import Precision
 from paro_torch.auto import LinkCalibration
 
@@ -50,7 +47,7 @@ def blocks_of(cfg: dict[str, Any], scenario: str, groups: _Shape) -> list[dict[s
     """The cost model's units for the benchmark's model in ``scenario`` (built on the meta device)."""
     with torch.device("meta"):
         model, _ = apply_scenario(build_model(cfg), dict(cfg, scenario=scenario))
-    return cost_blocks([a[1] for a in assign_units(model, {decoder_layer_class()})], groups)
+    return auto.cost_blocks(model, {decoder_layer_class()}, groups.world, groups.group_size)
 
 
 def estimate(
@@ -83,11 +80,11 @@ def repredict(
             continue
         if run["scenario"] not in blocks:
             blocks[run["scenario"]] = blocks_of(cfg, run["scenario"], groups)
-        known = LinkCalibration.__dataclass_fields__  # a record may carry figures a later probe no longer takes
-        links = LinkCalibration(**{k: v for k, v in extra["links"].items() if k in known})
+        known = LinkCalibration.record_keys()  # a record may carry figures a later probe no longer takes
+        links = LinkCalibration.from_record({k: v for k, v in extra["links"].items() if k in known})
         if links.overlap_loops is not None:  # the overlap figures as the installed probe derives them
-            links = dataclasses.replace(links, **auto.overlaps_from_loops(links, groups))
-        links = dataclasses.replace(links, **overrides)
+            links = auto.overlaps_from_loops(links, groups)
+        links = links.replace_figures(**overrides)
         is_auto = run["variant"] == "paro:auto"
         only = None if is_auto else extra["strategy"]
         report = estimate(blocks[run["scenario"]], groups, cfg, links, only, shared_cores)
@@ -113,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {}
     for item in args.set:
         name, _, value = item.partition("=")
-        if name not in LinkCalibration.__dataclass_fields__:
+        if name not in LinkCalibration.record_keys():
             ap.error(f"--set {item}: {name!r} is not a LinkCalibration field")
         overrides[name] = float(value)
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -69,7 +69,7 @@ def create_backend(
     max_chunks: int,
     intra: Any | None,
     inter: Any | None,
-    flat: Any,
+    global_: Any,
     device_key: int = -1,
 ) -> Any: ...
 def set_device_factory(factory: Callable[[int, str], tuple[Any | None, Any | None, Any]]) -> None: ...

@@ -11,7 +11,7 @@ import paro_torch._torch_check  # noqa: F401  (refuses another torch minor, befo
 from paro_torch import _C  # noqa: F401  (the compiled core)
 from paro_torch._backend import CommStats, ParoBackendOptions, comm_stats, register, reset_comm_stats
 from paro_torch._C import ALIASES, STRATEGIES, InvalidStrategyError, Strategy, TopologyError
-from paro_torch.auto import LinkCalibration, calibrate
+from paro_torch.auto import Link, LinkCalibration, calibrate
 from paro_torch.sharded_module import ParoShardedModule
 
 register()
@@ -21,6 +21,7 @@ __all__ = [
     "STRATEGIES",
     "CommStats",
     "InvalidStrategyError",
+    "Link",
     "LinkCalibration",
     "ParoBackendOptions",
     "ParoShardedModule",

@@ -45,7 +45,10 @@ class ParoBackendOptions:
 
 @dataclass(frozen=True)
 class CommStats:
-    """Bytes this rank sent and operations it issued, per level, since the last reset."""
+    """Bytes this rank sent and operations it issued, per level, since the last reset.
+
+    ``flat_bytes`` and ``flat_ops`` count the global level (all ranks: all_to_all, point-to-point, ...).
+    """
 
     intra_bytes: int
     inter_bytes: int
@@ -127,15 +130,15 @@ def _nccl(store: dist.Store, timeout: timedelta, device: torch.device, prefix: s
 
 
 def _levels(make: SubBackend, base: str, rank: int, size: int, m: int) -> tuple[Any, Any, Any]:
-    """(intra, inter, flat) sub-backends of a group of `size` ranks in groups of `m` (0: flat only)."""
-    flat = make(base + "flat/", rank, size)
+    """(intra, inter, global) sub-backends of a group of `size` ranks in groups of `m` (0: the global one only)."""
+    global_ = make(base + "flat/", rank, size)
     if m == 0:
-        return None, None, flat
+        return None, None, global_
     g = size // m
     k, r = divmod(rank, m)
-    intra = flat if g == 1 else (None if m == 1 else make(f"{base}intra/{k}/", r, m))
-    inter = flat if m == 1 else (None if g == 1 else make(f"{base}inter/{r}/", k, g))
-    return intra, inter, flat
+    intra = global_ if g == 1 else (None if m == 1 else make(f"{base}intra/{k}/", r, m))
+    inter = global_ if m == 1 else (None if g == 1 else make(f"{base}inter/{r}/", k, g))
+    return intra, inter, global_
 
 
 # Per backend instance (the key given to the C++ backend): what makes its device sub-backends, until it is used.
@@ -157,7 +160,7 @@ def _device_levels(
 
 
 def _device_sub_backends(key: int, device: str) -> tuple[Any, Any, Any]:
-    """Called by the C++ backend on its first collective with tensors on `device`: (intra, inter, flat)."""
+    """Called by the C++ backend on its first collective with tensors on `device`: (intra, inter, global)."""
     make = _device_makers.pop(key, None)
     if make is None:
         raise RuntimeError(f"paro: no sub-backends can be made for {device} (process group instance {key})")
@@ -202,12 +205,12 @@ def _create(dist_backend_opts: Any, backend_options: Any) -> Any:
         m = 0
     else:
         _, m = shape
-    intra, inter, flat = _levels(functools.partial(_gloo, store, timeout), base + "cpu/", rank, size, m)
+    intra, inter, global_ = _levels(functools.partial(_gloo, store, timeout), base + "cpu/", rank, size, m)
     device_key = -1
     if torch.cuda.is_available():  # CUDA sub-backends, made on the first collective with CUDA tensors
         device_key = next(_device_keys)
         _device_makers[device_key] = functools.partial(_device_levels, store, timeout, base, rank, size, m)
-    return _C.create_backend(size, m, rank, chunk_bytes, max_chunks, intra, inter, flat, device_key)
+    return _C.create_backend(size, m, rank, chunk_bytes, max_chunks, intra, inter, global_, device_key)
 
 
 def register() -> None:

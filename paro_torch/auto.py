@@ -21,8 +21,9 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -39,41 +40,57 @@ _NO_LINK = 1e15  # bandwidth of a level that has a single rank (nothing crosses 
 
 
 @dataclass(frozen=True)
-class LinkCalibration:
-    """Measured per-rank bandwidth (bytes/s) and per-step latency (s) of both levels, and the rank's throughputs."""
+class Link:
+    """Measured figures of one level's links (the intra-group or the inter-group communicator), per rank."""
 
-    intra_bandwidth: float
-    inter_bandwidth: float
-    intra_latency: float
-    inter_latency: float
+    bandwidth: float
+    """All-gather bandwidth, bytes/s."""
+    latency: float
+    """Seconds per ring step."""
+    overlap: float | None = None
+    """How well compute runs beside this level's collectives, 0 to 1 (None: not measured, taken as 1: unslowed);
+    see ``Overlap``."""
+    slowdown: float | None = None
+    """How much slower this level's collectives run beside compute, at least 1 (None: not measured, taken as 1)."""
+    reduce_scatter_bandwidth: float | None = None
+    """Bandwidth of the engine's reduce-scatter (on Gloo an all-to-all and a local sum), bytes/s (None: not
+    measured, taken as ``bandwidth``)."""
+    reduce_scatter_slowdown: float | None = None
+    """How much slower reduce-scatters run beside compute (None: not measured, taken as ``slowdown``)."""
+    all_reduce_bandwidth: float | None = None
+    """Bandwidth of an all-reduce, bytes/s of the ring's 2(k - 1)/k of the buffer (None: not measured, taken as
+    ``bandwidth``). Measured and priced across groups only: the engine's one large all-reduce is t_syncg's with
+    g = N, I and os = N, I."""
+
+
+_LEVELS = ("intra", "inter")
+# The saved form's keys in the order ``save`` has always written them; a level's figure is "<level>_<figure>".
+_RECORD_KEYS = (
+    "intra_bandwidth", "inter_bandwidth", "intra_latency", "inter_latency", "compute_flops", "compute_probe",
+    "optimizer_params_per_s", "intra_overlap", "inter_overlap", "intra_slowdown", "inter_slowdown",
+    "intra_reduce_scatter_bandwidth", "inter_reduce_scatter_bandwidth", "inter_all_reduce_bandwidth",
+    "intra_reduce_scatter_slowdown", "inter_reduce_scatter_slowdown", "unpack_bandwidth", "overlap_loops",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LinkCalibration:
+    """Measured figures of both levels' links (one ``Link`` each) and the rank's throughputs.
+
+    Saved (``save``, ``to_record``) as one flat JSON object whose level figures carry their level as a prefix
+    (``intra_bandwidth``, ``inter_latency``, ...), as the cost model's request names them.
+    """
+
+    intra: Link
+    """The intra-group links."""
+    inter: Link
+    """The inter-group links."""
     compute_flops: float | None = None
     """Training throughput of one rank, FLOP/s as the cost model counts FLOPs (None: not measured)."""
     compute_probe: str | None = None
     """What the throughputs timed: "mlp block" (the stand-ins) or "model" (the model's own step, its shapes)."""
     optimizer_params_per_s: float | None = None
     """Parameters an AdamW step updates per second on one rank (None: not measured)."""
-    intra_overlap: float | None = None
-    """How well compute runs beside intra-group collectives, 0 to 1 (None: not measured, taken as 1: unslowed);
-    see ``Overlap``."""
-    inter_overlap: float | None = None
-    """The same for inter-group collectives."""
-    intra_slowdown: float | None = None
-    """How much slower intra-group collectives run beside compute, at least 1 (None: not measured, taken as 1)."""
-    inter_slowdown: float | None = None
-    """The same for inter-group collectives."""
-    intra_reduce_scatter_bandwidth: float | None = None
-    """Per-rank bandwidth of the engine's intra-group reduce-scatter (on Gloo an all-to-all and a local sum), bytes/s
-    (None: not measured, taken as ``intra_bandwidth``)."""
-    inter_reduce_scatter_bandwidth: float | None = None
-    """The same for inter-group reduce-scatters."""
-    inter_all_reduce_bandwidth: float | None = None
-    """Per-rank bandwidth of an all-reduce across groups (the engine's t_syncg with g = N, I and os = N, I), bytes/s
-    of the ring's 2(k - 1)/k of the buffer (None: not measured, taken as ``inter_bandwidth``)."""
-    intra_reduce_scatter_slowdown: float | None = None
-    """How much slower intra-group reduce-scatters run beside compute (None: not measured, taken as
-    ``intra_slowdown``)."""
-    inter_reduce_scatter_slowdown: float | None = None
-    """The same for inter-group reduce-scatters."""
     unpack_bandwidth: float | None = None
     """Bytes per second at which a rank copies gathered parameters out into storage it re-grows for them, as the
     engine's unshard does (None: not measured, the copy-out not counted)."""
@@ -81,15 +98,64 @@ class LinkCalibration:
     """The overlap probe's timings the overlap figures come from, by level and collective ("intra_all_gather", ...):
     ``OverlapLoops``' fields, the ranks' median of each (None: not measured)."""
 
+    def level(self, name: str) -> Link:
+        """The links of level ``name``: "intra" or "inter"."""
+        if name not in _LEVELS:
+            raise ValueError(f"level {name!r}: use 'intra' or 'inter'")
+        return self.intra if name == "intra" else self.inter
+
+    @staticmethod
+    def record_keys() -> tuple[str, ...]:
+        """The keys of the saved form (``to_record``), in order."""
+        return _RECORD_KEYS
+
+    def to_record(self) -> dict[str, Any]:
+        """The figures as one flat JSON-able dict, as ``save`` writes them (a level's figures as "<level>_<name>")."""
+        record: dict[str, Any] = {}
+        for key in _RECORD_KEYS:
+            level, _, figure = key.partition("_")
+            record[key] = getattr(self.level(level), figure) if level in _LEVELS else getattr(self, key)
+        if self.intra.all_reduce_bandwidth is not None:  # never measured: the saved form had no key for it
+            record["intra_all_reduce_bandwidth"] = self.intra.all_reduce_bandwidth
+        return record
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> LinkCalibration:
+        """Reads ``to_record``'s dict; figures it lacks are None (the bandwidths and latencies are required).
+
+        Raises:
+            TypeError: a key that names no figure, or a missing bandwidth or latency.
+        """
+        if not isinstance(record, dict):
+            raise TypeError(f"link figures must be a JSON object, not {type(record).__name__}")
+        levels: dict[str, dict[str, Any]] = {level: {} for level in _LEVELS}
+        rest: dict[str, Any] = {}
+        link_figures = {f.name for f in dataclasses.fields(Link)}
+        for key, value in record.items():
+            level, _, figure = key.partition("_")
+            if level in _LEVELS and figure in link_figures:
+                levels[level][figure] = value
+            else:
+                rest[key] = value
+        missing = [f"{level}_{figure}" for level in _LEVELS for figure in ("bandwidth", "latency")
+                   if figure not in levels[level]]  # fmt: skip
+        if missing:
+            raise TypeError(f"link figures lack {', '.join(missing)}")
+        return cls(Link(**levels["intra"]), Link(**levels["inter"]), **rest)
+
+    def replace_figures(self, **figures: Any) -> LinkCalibration:
+        """A copy with the named figures replaced, named as in the saved form (e.g. ``intra_slowdown=6``)."""
+        return type(self).from_record({**self.to_record(), **figures})
+
     def save(self, path: str | os.PathLike[str]) -> None:
         """Writes the figures as JSON (reuse them with ``PARO_CALIBRATION=path``)."""
-        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+        Path(path).write_text(json.dumps(self.to_record(), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> LinkCalibration:
         """Reads figures written by ``save``."""
         try:
-            return cls(**json.loads(Path(path).read_text()))
+            return cls.from_record(json.loads(Path(path).read_text()))
         except (OSError, TypeError, ValueError) as e:
             raise ValueError(f"cannot read link calibration {path}: {e}; rerun paro_torch.calibrate()") from e
 
@@ -473,13 +539,8 @@ def measure_links(
     every = torch.stack([_link_round(groups, small, large, repeats, device) for _ in range(rounds)])
     t = torch.quantile(every, 0.5, dim=0)  # of an even count: the mean of the middle two
     links = LinkCalibration(
-        intra_bandwidth=float(-t[2]),
-        inter_bandwidth=float(-t[3]),
-        intra_latency=float(t[0]),
-        inter_latency=float(t[1]),
-        intra_reduce_scatter_bandwidth=float(-t[4]),
-        inter_reduce_scatter_bandwidth=float(-t[5]),
-        inter_all_reduce_bandwidth=float(-t[6]),
+        intra=Link(float(-t[2]), float(t[0]), reduce_scatter_bandwidth=float(-t[4])),
+        inter=Link(float(-t[3]), float(t[1]), reduce_scatter_bandwidth=float(-t[5]), all_reduce_bandwidth=float(-t[6])),
         unpack_bandwidth=measure_unpack(groups, large, repeats, device),
     )
     if not throughputs:
@@ -505,39 +566,41 @@ def _ranks_mean(seconds: torch.Tensor, groups: ParoGroups) -> torch.Tensor:
 _PROBED = [(level, op) for level in ("intra", "inter") for op in ("all_gather", "reduce_scatter")]
 
 
-def overlaps_from_loops(links: LinkCalibration, groups: ParoGroups) -> dict[str, float]:
-    """The overlap figures (``LinkCalibration`` fields) from ``links.overlap_loops``, priced by ``links``' own links.
+def overlaps_from_loops(links: LinkCalibration, groups: ParoGroups) -> LinkCalibration:
+    """``links`` with each level's overlap figures derived from ``links.overlap_loops``, priced by its own links.
 
-    The gathers give a level's slowdown, the reduce-scatters their own slowdown, and both together the level's
-    overlap (the compute they cost over their work: one loop's loss is a small difference of two timings, noisy on
-    shared cores; one launch read 0.99 from the gathers' alone where others read 0.0-0.4).
+    The gathers give a level's ``slowdown``, the reduce-scatters its ``reduce_scatter_slowdown``, and both together
+    its ``overlap`` (the compute they cost over their work: one loop's loss is a small difference of two timings,
+    noisy on shared cores; one launch read 0.99 from the gathers' alone where others read 0.0-0.4).
     """
     assert links.overlap_loops is not None
-    figures = {}
+    figures: dict[str, dict[str, float]] = {"intra": {}, "inter": {}}
     lost = {"intra": 0.0, "inter": 0.0}  # compute seconds lost beside the level's loops, and their work
     work = {"intra": 0.0, "inter": 0.0}
     for level, op in _PROBED:
         k = groups.group_size if level == "intra" else groups.num_groups  # the level's ranks
+        link = links.level(level)
         if k == 1:
             rates = Overlap(1.0, 1.0)
-            figures[f"{level}_overlap"] = 1.0
+            figures[level]["overlap"] = 1.0
         else:
-            bandwidth = getattr(links, f"{level}_bandwidth")
+            bandwidth = link.bandwidth
             if op == "reduce_scatter":
-                bandwidth = getattr(links, f"{level}_reduce_scatter_bandwidth") or bandwidth
+                bandwidth = link.reduce_scatter_bandwidth or bandwidth
             loops = OverlapLoops(*links.overlap_loops[f"{level}_{op}"])
-            alone = loops.alone_seconds(k, bandwidth, getattr(links, f"{level}_latency"))
+            alone = loops.alone_seconds(k, bandwidth, link.latency)
             rates = loops.rates(alone)
             lost[level] += loops.lost_seconds()
             work[level] += alone
         if op == "all_gather":
-            figures[f"{level}_slowdown"] = rates.slowdown
+            figures[level]["slowdown"] = rates.slowdown
         else:
-            figures[f"{level}_reduce_scatter_slowdown"] = rates.slowdown
+            figures[level]["reduce_scatter_slowdown"] = rates.slowdown
     for level, seconds in work.items():
         if seconds > 0:
-            figures[f"{level}_overlap"] = Overlap.fraction_of(lost[level], seconds)
-    return figures
+            figures[level]["overlap"] = Overlap.fraction_of(lost[level], seconds)
+    intra, inter = (dataclasses.replace(links.level(level), **figures[level]) for level in ("intra", "inter"))
+    return dataclasses.replace(links, intra=intra, inter=inter)
 
 
 def _overlaps(
@@ -563,8 +626,15 @@ def _overlaps(
     dist.all_gather(every, t, group=groups.whole)
     t = torch.quantile(torch.stack(every), 0.5, dim=0)  # of an even count: the mean of the middle two
     recorded = {f"{level}_{op}": [float(x) for x in row] for (level, op), row in zip(_PROBED, t, strict=True)}
-    links = dataclasses.replace(links, overlap_loops=recorded)
-    return dataclasses.replace(links, **overlaps_from_loops(links, groups))
+    return overlaps_from_loops(dataclasses.replace(links, overlap_loops=recorded), groups)
+
+
+def probe_groups(group_size: int | None = None) -> ParoGroups:
+    """This job's intra-group and inter-group communicators, as the probes here take them; every rank must call it.
+
+    ``group_size``: ranks per group; default PARO_GROUP_SIZE, else torchrun's LOCAL_WORLD_SIZE, else all ranks.
+    """
+    return build_groups(group_size)
 
 
 def calibrate(
@@ -679,18 +749,12 @@ def _request(
     cluster: dict[str, Any] = {
         "world": groups.world,
         "group_size": groups.group_size,
-        "intra_bandwidth": links.intra_bandwidth,
-        "inter_bandwidth": links.inter_bandwidth,
-        "intra_latency": links.intra_latency,
-        "inter_latency": links.inter_latency,
         "memory_bytes": memory_budget,
         "shared_cores": shared_cores,
     }
-    figures = ("overlap", "slowdown", "reduce_scatter_bandwidth", "reduce_scatter_slowdown")
-    measured = [f"{level}_{figure}" for figure in figures for level in ("intra", "inter")]
-    for name in ("optimizer_params_per_s", "unpack_bandwidth", "inter_all_reduce_bandwidth", *measured):
-        if getattr(links, name) is not None:
-            cluster[name] = getattr(links, name)
+    for name, value in links.to_record().items():  # the request names the figures as the saved form does
+        if value is not None and name not in ("compute_flops", "compute_probe", "overlap_loops"):
+            cluster[name] = value
     training = dict(training)
     if tokens_per_micro_step is not None and links.compute_flops is not None:
         cluster["compute_flops"] = links.compute_flops
@@ -703,11 +767,26 @@ def _request(
     }
 
 
+def cost_blocks(module: torch.nn.Module, wrap_policy: Any, world: int, group_size: int) -> list[dict[str, Any]]:
+    """The cost model's units of ``module`` (``estimate``'s ``blocks``), as ``ParoShardedModule`` makes them.
+
+    One unit per module that ``wrap_policy`` wraps (a set of module classes or a callable, as ParoShardedModule
+    takes it), then the root with the rest; each with its parameter counts and its buffers' padded sizes on
+    ``world`` ranks in groups of ``group_size`` (``ParoShardedModule.cost_blocks`` for that module). The module may
+    be on the meta device: nothing is allocated or communicated.
+    """
+    from paro_torch._engine.planning import cost_blocks as unit_blocks  # not at the top: it imports this module
+    from paro_torch._engine.units import assign_units
+
+    shape = SimpleNamespace(world=world, group_size=group_size)  # all that the sizes depend on
+    return unit_blocks([a[1] for a in assign_units(module, wrap_policy)], shape)  # type: ignore[arg-type]
+
+
 def model_flops(
     blocks: list[dict[str, Any]], groups: ParoGroups, tokens: int, activation_checkpointing: bool = False
 ) -> float:
     """The FLOPs the cost model counts for one forward and backward of the model (its ``blocks``) on ``tokens``."""
-    unit_rate = LinkCalibration(1.0, 1.0, 0.0, 0.0, compute_flops=1.0)  # 1 FLOP/s: seconds are FLOPs
+    unit_rate = LinkCalibration(Link(1.0, 0.0), Link(1.0, 0.0), compute_flops=1.0)  # 1 FLOP/s: seconds are FLOPs
     report = estimate(blocks, groups, links=unit_rate, memory_budget=1 << 62, grad_accum=1, sizes={},
                       tokens_per_micro_step=tokens, activation_checkpointing=activation_checkpointing,
                       only="NNN")  # fmt: skip

@@ -3,6 +3,7 @@
 import contextlib
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -136,11 +137,29 @@ def test_a_levels_overlap_comes_from_all_its_loops_together() -> None:
     scatter = [0.1, 0.5, 1.0, 10, 1.06, 50, 4 << 20]  # 0.02 s and 0.06 s of compute lost
     loops = {f"{level}_{op}": gather if op == "all_gather" else scatter for level in ("intra", "inter")
              for op in ("all_gather", "reduce_scatter")}  # fmt: skip
-    links = auto.LinkCalibration(1e9, 1e8, 1e-3, 2e-3, overlap_loops=loops)
+    links = auto.LinkCalibration(auto.Link(1e9, 1e-3), auto.Link(1e8, 2e-3), overlap_loops=loops)
     got = auto.overlaps_from_loops(links, types.SimpleNamespace(group_size=2, num_groups=2))  # type: ignore[arg-type]
     intra_work = 2 * 50 * (1e-3 + (2 << 20) / 1e9)
-    assert got["intra_overlap"] == pytest.approx(1 - 0.08 / intra_work)  # the gathers' alone: 1 - 0.02 / (work / 2)
-    assert got["intra_slowdown"] == pytest.approx(1.0 / (intra_work / 2))
+    assert got.intra.overlap == pytest.approx(1 - 0.08 / intra_work)  # the gathers' alone: 1 - 0.02 / (work / 2)
+    assert got.intra.slowdown == pytest.approx(1.0 / (intra_work / 2))
+
+
+def test_link_figures_are_saved_as_one_flat_record(tmp_path: Path) -> None:
+    """One ``Link`` per level in Python; saved (and sent to the cost model) as ``<level>_<figure>`` keys."""
+    from paro_torch.auto import LinkCalibration
+
+    recorded = json.loads((Path(__file__).parent / "data" / "training-2x2-1gbit-rec.json").read_text())
+    saved = recorded["calibration"]["links"]  # as calibrate() wrote it
+    links = LinkCalibration.from_record(saved)
+    assert links.inter.all_reduce_bandwidth == saved["inter_all_reduce_bandwidth"]
+    assert links.intra.reduce_scatter_slowdown == saved["intra_reduce_scatter_slowdown"]
+    assert list(links.to_record().items()) == list(saved.items())
+    links.save(tmp_path / "links.json")
+    assert (tmp_path / "links.json").read_text() == json.dumps(saved, indent=2) + "\n"
+    assert LinkCalibration.load(tmp_path / "links.json") == links
+    assert links.replace_figures(inter_slowdown=2.0).inter.slowdown == 2.0
+    with pytest.raises(TypeError, match="lack inter_latency"):
+        LinkCalibration.from_record({k: v for k, v in saved.items() if k != "inter_latency"})
 
 
 @contextlib.contextmanager
@@ -222,7 +241,7 @@ def test_model_probe_takes_its_two_in_step_timings(monkeypatch: pytest.MonkeyPat
     timings = iter([0.2, 0.3, 2.0])  # the step before the loops, after them; AdamW (per parameter: 2.0 / 6)
     monkeypatch.setattr(auto, "_overlaps", loops)
     monkeypatch.setattr(auto, "_mean_seconds", lambda *_, **__: next(timings))
-    links = auto.LinkCalibration(1e9, 1e9, 0.0, 0.0)
+    links = auto.LinkCalibration(auto.Link(1e9, 0.0), auto.Link(1e9, 0.0))
     with _one_rank_group():
         got = auto.probe_model(links, build_groups(1), torch.nn.Linear(2, 2), torch.ones(1, 2), flops=1e9,
                                device=torch.device("cpu"))  # fmt: skip

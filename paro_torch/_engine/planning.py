@@ -17,6 +17,7 @@ from paro_torch._groups import ParoGroups
 from paro_torch._report import format_report
 from paro_torch.api import Precision
 from paro_torch.auto import (
+    Link,
     LinkCalibration,
     choose_strategy,
     default_memory_budget,
@@ -82,7 +83,7 @@ def plan_strategy(
     links = (
         resolve_links(calibration, groups, device, throughputs=not timed)
         if auto or given
-        else LinkCalibration(1e10, 1e9, 1e-5, 1e-5)
+        else LinkCalibration(Link(1e10, 1e-5), Link(1e9, 1e-5))
     )
     checkpointing = checkpointed(module) if activation_checkpointing is None else activation_checkpointing
     if timed:

@@ -39,20 +39,21 @@ def main() -> None:
     # about 12 s for 4 ranks on 2 cores, 16-24 s when the machine runs slow (measured on 2026-12-07, idle): a bound
     # on the probe's design (it must not grow with the model), not a speed test
     assert probe < 30.0, f"the probe took {probe:.2f}s"
-    assert links.intra_bandwidth > 0 and links.inter_bandwidth > 0, links
+    intra, inter = links.intra, links.inter
+    assert intra.bandwidth > 0 and inter.bandwidth > 0, links
     # the engine's own reduce-scatter, timed apart (on Gloo an all-to-all and a sum: not the all-gather's speed)
-    assert links.intra_reduce_scatter_bandwidth and links.inter_reduce_scatter_bandwidth, links
-    assert links.inter_all_reduce_bandwidth and links.inter_all_reduce_bandwidth > 0, links  # t_syncg's, apart
-    assert links.intra_reduce_scatter_slowdown and links.intra_reduce_scatter_slowdown >= 1, links
-    assert links.inter_reduce_scatter_slowdown and links.inter_reduce_scatter_slowdown >= 1, links
+    assert intra.reduce_scatter_bandwidth and inter.reduce_scatter_bandwidth, links
+    assert inter.all_reduce_bandwidth and inter.all_reduce_bandwidth > 0, links  # t_syncg's, apart
+    assert intra.reduce_scatter_slowdown and intra.reduce_scatter_slowdown >= 1, links
+    assert inter.reduce_scatter_slowdown and inter.reduce_scatter_slowdown >= 1, links
     assert links.compute_flops and links.compute_flops > 1e8 and links.optimizer_params_per_s, links
-    figures = [links.intra_latency, links.inter_latency, links.intra_bandwidth, links.inter_bandwidth,
-               links.compute_flops, links.optimizer_params_per_s, links.intra_reduce_scatter_bandwidth,
-               links.inter_reduce_scatter_bandwidth, links.inter_all_reduce_bandwidth]  # fmt: skip
+    figures = [intra.latency, inter.latency, intra.bandwidth, inter.bandwidth, links.compute_flops,
+               links.optimizer_params_per_s, intra.reduce_scatter_bandwidth, inter.reduce_scatter_bandwidth,
+               inter.all_reduce_bandwidth]  # fmt: skip
     # the overlap probe's loops are recorded (every level and collective) and give back its figures
     assert links.overlap_loops is not None and len(links.overlap_loops) == 4, links
     derived = overlaps_from_loops(links, groups)
-    assert derived == {k: getattr(links, k) for k in derived}, (derived, links)
+    assert derived == links, (derived, links)
     every: list[object] = [None] * dist.get_world_size()
     dist.all_gather_object(every, [figures, links.overlap_loops])
     assert all(e == [figures, links.overlap_loops] for e in every), f"the ranks' figures differ: {every}"
@@ -158,8 +159,8 @@ def main() -> None:
     paro_torch.auto.measure_throughputs = stand_ins
     got = only_model.links
     assert got is not None and got.compute_probe == "model" and got.compute_flops, got
-    assert got.optimizer_params_per_s and got.intra_overlap is not None and got.inter_overlap is not None, got
-    assert got.intra_slowdown is not None and got.intra_slowdown >= 1 and got.inter_slowdown >= 1, got
+    assert got.optimizer_params_per_s and got.intra.overlap is not None and got.inter.overlap is not None, got
+    assert got.intra.slowdown is not None and got.intra.slowdown >= 1 and got.inter.slowdown >= 1, got
     assert measure_links(groups, large=1 << 16, repeats=1, throughputs=False).compute_flops is None
     # each link figure is the median over rounds of the slowest rank's (the levels scripted: round r, rank k)
     levels_called: list[object] = []
@@ -176,10 +177,10 @@ def main() -> None:
     rounds = measure_links(groups, throughputs=False, rounds=3)
     paro_torch.auto._level = real_level
     assert levels_called == [(groups.intra, False), (groups.inter, True)] * 3, levels_called
-    assert (rounds.intra_bandwidth, rounds.inter_bandwidth) == (200.0, 400.0), rounds
-    assert (rounds.intra_latency, rounds.inter_latency) == (2.0, 4.0), rounds
-    assert (rounds.intra_reduce_scatter_bandwidth, rounds.inter_reduce_scatter_bandwidth) == (2000.0, 4000.0)
-    assert rounds.inter_all_reduce_bandwidth == 8000.0, rounds
+    assert (rounds.intra.bandwidth, rounds.inter.bandwidth) == (200.0, 400.0), rounds
+    assert (rounds.intra.latency, rounds.inter.latency) == (2.0, 4.0), rounds
+    assert (rounds.intra.reduce_scatter_bandwidth, rounds.inter.reduce_scatter_bandwidth) == (2000.0, 4000.0)
+    assert rounds.inter.all_reduce_bandwidth == 8000.0, rounds
     try:
         measure_links(groups, rounds=0)
     except ValueError as e:

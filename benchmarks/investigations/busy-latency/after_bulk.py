@@ -9,13 +9,12 @@ import torch
 import torch.distributed as dist
 
 from paro_torch import auto
-from paro_torch._groups import build_groups
 
 
 def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    groups, device = build_groups(), torch.device("cpu")
+    groups, device = auto.probe_groups(), torch.device("cpu")
     small = auto._collective("all_gather", groups.inter, 4 << 10, device)
     large = auto._collective("all_gather", groups.inter, 16 << 20, device)
 

@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 from paro_torch import auto
-from paro_torch._groups import build_groups
 
 SIZES = (4 << 10, 256 << 10, 4 << 20)
 
@@ -21,7 +20,7 @@ SIZES = (4 << 10, 256 << 10, 4 << 20)
 def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    groups, device = build_groups(), torch.device("cpu")
+    groups, device = auto.probe_groups(), torch.device("cpu")
     rows = []
     for level in ("intra", "inter"):
         for nbytes in SIZES:

@@ -19,7 +19,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from _training_worker import apply_scenario, build_model  # noqa: E402
 
 from paro_torch import auto  # noqa: E402
-from paro_torch._groups import build_groups  # noqa: E402
 from paro_torch.auto import LinkCalibration  # noqa: E402
 
 MODEL = {"hidden": 384, "intermediate": 1024, "layers": 4, "heads": 8, "kv_heads": 4, "vocab": 4096, "seq": 128}
@@ -36,7 +35,7 @@ def main() -> None:
     cfg = {"model": MODEL, "seed": 0, "scenario": os.environ.get("SC", "lora"), "lora_r": 8, "partial_fraction": 1 / 16}
     model, _ = apply_scenario(build_model(cfg), cfg)
     x = torch.randint(0, MODEL["vocab"], (2, MODEL["seq"]))
-    groups = build_groups(2)
+    groups = auto.probe_groups(2)
     links = LinkCalibration.load(sys.argv[1])
     for i in range(3):
         t0 = time.perf_counter()
@@ -45,9 +44,9 @@ def main() -> None:
         if dist.get_rank() == 0:
             print(
                 f"probe {i}: step {1e9 / got.compute_flops:.4f} s (loops' steps {loops}), "
-                f"intra slowdown {got.intra_slowdown:.2f} "
-                f"rs {got.intra_reduce_scatter_slowdown:.2f} overlap {got.intra_overlap:.2f}, "
-                f"inter slowdown {got.inter_slowdown:.2f}, adamw {got.optimizer_params_per_s / 1e6:.1f} M/s "
+                f"intra slowdown {got.intra.slowdown:.2f} "
+                f"rs {got.intra.reduce_scatter_slowdown:.2f} overlap {got.intra.overlap:.2f}, "
+                f"inter slowdown {got.inter.slowdown:.2f}, adamw {got.optimizer_params_per_s / 1e6:.1f} M/s "
                 f"({time.perf_counter() - t0:.0f} s)",
                 flush=True,
             )

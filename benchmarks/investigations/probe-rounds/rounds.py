@@ -13,13 +13,12 @@ import torch
 import torch.distributed as dist
 
 from paro_torch import auto
-from paro_torch._groups import build_groups
 
 
 def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    groups, device = build_groups(), torch.device("cpu")
+    groups, device = auto.probe_groups(), torch.device("cpu")
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 8
     every = []
     for r in range(rounds):

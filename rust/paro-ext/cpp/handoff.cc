@@ -34,7 +34,7 @@ c10::intrusive_ptr<c10d::Backend> to_optional_backend(std::size_t ptr, const cha
   return ptr == 0 ? c10::intrusive_ptr<c10d::Backend>() : to_backend(ptr, what);
 }
 
-// paro_torch._backend._device_sub_backends(key, device) -> (intra, inter, flat); set once at import and never
+// paro_torch._backend._device_sub_backends(key, device) -> (intra, inter, global); set once at import and never
 // released, so that no backend ever holds a Python object (its destructor may run where Python cannot be entered).
 PyObject* g_device_factory = nullptr;
 
@@ -49,10 +49,10 @@ ParoBackend::DeviceFactory device_factory(std::int64_t key) {
     } catch (py::error_already_set& e) {
       TORCH_CHECK(false, "paro: could not create the sub-backends for ", device, " tensors: ", e.what());
     }
-    TORCH_CHECK(subs.size() == 3, "paro: the device factory must return (intra, inter, flat)");
+    TORCH_CHECK(subs.size() == 3, "paro: the device factory must return (intra, inter, global)");
     auto ptr = [&](std::size_t i) { return subs[i].is_none() ? 0 : reinterpret_cast<std::size_t>(subs[i].ptr()); };
     return ParoBackend::SubBackends{to_optional_backend(ptr(0), "intra-group"),
-                                    to_optional_backend(ptr(1), "inter-group"), to_backend(ptr(2), "flat")};
+                                    to_optional_backend(ptr(1), "inter-group"), to_backend(ptr(2), "global")};
   };
 }
 
@@ -64,11 +64,11 @@ void set_device_factory(std::size_t callable) {
   Py_XDECREF(std::exchange(g_device_factory, f));
 }
 
-std::size_t create_backend(const Shape& shape, std::size_t intra, std::size_t inter, std::size_t flat,
+std::size_t create_backend(const Shape& shape, std::size_t intra, std::size_t inter, std::size_t global,
                            std::int64_t device_key) {
   auto backend = c10::make_intrusive<ParoBackend>(
       shape, to_optional_backend(intra, "intra-group"), to_optional_backend(inter, "inter-group"),
-      to_backend(flat, "flat"), device_key < 0 ? ParoBackend::DeviceFactory() : device_factory(device_key));
+      to_backend(global, "global"), device_key < 0 ? ParoBackend::DeviceFactory() : device_factory(device_key));
   py::object obj = py::cast(c10::intrusive_ptr<c10d::Backend>(backend));
   return reinterpret_cast<std::size_t>(obj.release().ptr());
 }

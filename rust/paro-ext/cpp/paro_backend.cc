@@ -23,7 +23,8 @@ int level_index(Level l) {
   }
 }
 
-// Profiler titles of plan steps: [level][kind] for the communicating kinds (AllGather .. Barrier).
+// Profiler titles of plan steps: [level][kind] for the communicating kinds (AllGather .. Barrier). The global
+// level's read "flat", as traces have named it from the start.
 constexpr const char* kStepTitles[3][6] = {
     {"paro:intra:all_gather", "paro:intra:all_to_all", "paro:intra:all_reduce", "paro:intra:broadcast",
      "paro:intra:reduce", "paro:intra:barrier"},
@@ -171,7 +172,7 @@ class DeviceWork : public c10d::Work {
 
 }  // namespace
 
-// A device's sub-backends and its streams (lanes): [intra, inter, flat, local] (paro_core::streams::Lane).
+// A device's sub-backends and its streams (lanes): [intra, inter, global, local] (paro_core::streams::Lane).
 struct ParoBackend::Device {
   c10::Device device;
   SubBackends subs;
@@ -212,16 +213,16 @@ void ParoBackend::ParoWork::complete(std::exception_ptr error) {
 
 // ------------------------------------------------------------------------------------- Backend
 ParoBackend::ParoBackend(const Shape& shape, c10::intrusive_ptr<c10d::Backend> intra,
-                         c10::intrusive_ptr<c10d::Backend> inter, c10::intrusive_ptr<c10d::Backend> flat,
+                         c10::intrusive_ptr<c10d::Backend> inter, c10::intrusive_ptr<c10d::Backend> global,
                          DeviceFactory device_factory)
     : c10d::Backend(shape.rank, shape.world),
       shape_(shape),
       intra_(std::move(intra)),
       inter_(std::move(inter)),
-      flat_(std::move(flat)),
+      global_(std::move(global)),
       queue_(std::make_shared<Queue>()),
       device_factory_(std::move(device_factory)) {
-  TORCH_CHECK(flat_, "paro: a flat sub-backend is required");
+  TORCH_CHECK(global_, "paro: a global sub-backend is required");
   worker_ = std::thread([queue = queue_] { worker_loop(queue); });
 }
 
@@ -358,7 +359,7 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::enqueue(c10d::OpType type, const cha
 }
 
 c10d::Backend& ParoBackend::level(Level l) const {
-  const c10::intrusive_ptr<c10d::Backend>* subs[3] = {&intra_, &inter_, &flat_};
+  const c10::intrusive_ptr<c10d::Backend>* subs[3] = {&intra_, &inter_, &global_};
   if (tl_device) {
     for (int i = 0; i < 3; ++i) subs[i] = &tl_device->subs[i];
   }
@@ -378,17 +379,17 @@ ParoBackend::Device& ParoBackend::device(const c10::Device& d) {
   }
   TORCH_CHECK(device_factory_, "paro: this process group has no sub-backends for ", d, " tensors");
   SubBackends subs = device_factory_(d);
-  TORCH_CHECK(subs[2], "paro: no flat sub-backend for ", d);
+  TORCH_CHECK(subs[2], "paro: no global sub-backend for ", d);
   c10::impl::VirtualGuardImpl impl(d.type());
-  // one stream per distinct sub-backend (a level that is the flat one shares its stream), one for local steps
-  const c10::Stream flat_lane = impl.getStreamFromGlobalPool(d, /*isHighPriority=*/true);
+  // one stream per distinct sub-backend (a level that is the global one shares its stream), one for local steps
+  const c10::Stream global_lane = impl.getStreamFromGlobalPool(d, /*isHighPriority=*/true);
   auto lane_of = [&](const c10::intrusive_ptr<c10d::Backend>& b) {
-    return !b || b == subs[2] ? flat_lane : impl.getStreamFromGlobalPool(d, /*isHighPriority=*/true);
+    return !b || b == subs[2] ? global_lane : impl.getStreamFromGlobalPool(d, /*isHighPriority=*/true);
   };
   const c10::Stream intra_lane = lane_of(subs[0]);
   const c10::Stream inter_lane = lane_of(subs[1]);
   const c10::Stream local_lane = impl.getStreamFromGlobalPool(d, /*isHighPriority=*/true);
-  device_.reset(new Device{d, std::move(subs), {intra_lane, inter_lane, flat_lane, local_lane}});
+  device_.reset(new Device{d, std::move(subs), {intra_lane, inter_lane, global_lane, local_lane}});
   return *device_;
 }
 
@@ -641,7 +642,7 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::allreduce(std::vector<at::Tensor>& t
     return enqueue(c10d::OpType::ALLREDUCE, "paro:all_reduce", tensors, tensors, [this, t, opts] {
       ops_[2] += 1;
       std::vector<at::Tensor> local{t.clone()};
-      flat_->allreduce(local, opts)->wait();
+      global_->allreduce(local, opts)->wait();
       t.copy_(local[0]);
     });
   }
@@ -838,7 +839,7 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::all_to_all_single(at::Tensor& output
   return enqueue(c10d::OpType::ALLTOALL_BASE, "paro:all_to_all_single", {input}, {output}, [this, o, i, os, is, opts]() mutable {
     ops_[2] += 1;
     at::Tensor bo = borrowed(o), bi = borrowed(i);
-    sub_all_to_all_single(level(Level::Flat), bo, bi, os, is, opts)->wait();
+    sub_all_to_all_single(level(Level::Global), bo, bi, os, is, opts)->wait();
   });
 }
 
@@ -849,7 +850,7 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::alltoall(std::vector<at::Tensor>& ou
   return enqueue(c10d::OpType::ALLTOALL, "paro:all_to_all", inputs, outputs, [this, o, i, opts]() mutable {
     ops_[2] += 1;
     std::vector<at::Tensor> bo = borrowed(o), bi = borrowed(i);
-    level(Level::Flat).alltoall(bo, bi, opts)->wait();
+    level(Level::Global).alltoall(bo, bi, opts)->wait();
   });
 }
 
@@ -862,7 +863,7 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::gather(std::vector<std::vector<at::T
     ops_[2] += 1;
     std::vector<std::vector<at::Tensor>> bo = borrowed(o);
     std::vector<at::Tensor> bi = borrowed(i);
-    level(Level::Flat).gather(bo, bi, opts)->wait();
+    level(Level::Global).gather(bo, bi, opts)->wait();
   });
 }
 
@@ -875,14 +876,14 @@ c10::intrusive_ptr<c10d::Work> ParoBackend::scatter(std::vector<at::Tensor>& out
     ops_[2] += 1;
     std::vector<at::Tensor> bo = borrowed(o);
     std::vector<std::vector<at::Tensor>> bi = borrowed(i);
-    level(Level::Flat).scatter(bo, bi, opts)->wait();
+    level(Level::Global).scatter(bo, bi, opts)->wait();
   });
 }
 
 void ParoBackend::each_device_backend(const std::function<void(c10d::Backend&)>& fn) {
   std::lock_guard<std::mutex> lock(device_mutex_);
   if (!device_) return;
-  for (int i = 0; i < 3; ++i) {  // each distinct sub-backend once (intra or inter may be the flat one)
+  for (int i = 0; i < 3; ++i) {  // each distinct sub-backend once (intra or inter may be the global one)
     const auto& b = device_->subs[i];
     if (b && (i == 2 || b != device_->subs[2])) fn(*b);
   }
@@ -900,13 +901,13 @@ void ParoBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAl
   // Gloo's, on the worker after every earlier request: it tags its messages in call order, as collectives do
   enqueue(c10d::OpType::BARRIER, "paro:monitored_barrier", {}, {}, [this, opts, waitAllRanks] {
     ops_[2] += 1;
-    flat_->monitoredBarrier(opts, waitAllRanks);
+    global_->monitoredBarrier(opts, waitAllRanks);
   })->wait();
 }
 
 namespace {
 
-// A point-to-point Work of the flat sub-backend, recorded in torch.profiler as `title` ("paro:send") with its
+// A point-to-point Work of the global sub-backend, recorded in torch.profiler as `title` ("paro:send") with its
 // tensors, as torch's own backends record theirs; the event ends when the Work is waited on.
 class P2PWork : public c10d::Work {
  public:
@@ -938,12 +939,12 @@ class P2PWork : public c10d::Work {
 
 }  // namespace
 
-// Point-to-point passes straight to the flat sub-backend of the tensors' device, from the caller's thread: its
+// Point-to-point passes straight to the global sub-backend of the tensors' device, from the caller's thread: its
 // messages carry the caller's tags, so they need no place in the worker's order.
 c10d::Backend& ParoBackend::p2p(const std::vector<at::Tensor>& tensors, const char* op) {
   TORCH_CHECK(tensors.size() == 1, "paro: ", op, " takes one tensor (got ", tensors.size(), ")");
   check_tensor(tensors[0], op);
-  return tensors[0].device().is_cpu() ? *flat_ : *device(tensors[0].device()).subs[2];
+  return tensors[0].device().is_cpu() ? *global_ : *device(tensors[0].device()).subs[2];
 }
 
 c10::intrusive_ptr<c10d::Work> ParoBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {

@@ -1,5 +1,5 @@
 // ParoBackend: a c10d::Backend that runs every collective as a plan of the Rust planner
-// (rust/paro-core/src/planner.rs) over intra-group, inter-group and flat sub-backends.
+// (rust/paro-core/src/planner.rs) over intra-group, inter-group and global (all-ranks) sub-backends.
 #pragma once
 #include <array>
 #include <atomic>
@@ -55,15 +55,15 @@ class ParoBackend : public c10d::Backend {
     std::weak_ptr<Queue> queue_;  // wait() drops the requests the worker has retired (see Queue::retired)
   };
 
-  // Sub-backends for tensors on a device, [intra, inter, flat] as for the CPU (intra or inter may be empty, or
-  // the flat one), made on the first collective with a tensor on that device.
+  // Sub-backends for tensors on a device, [intra, inter, global] as for the CPU (intra or inter may be empty, or
+  // the global one), made on the first collective with a tensor on that device.
   using SubBackends = std::array<c10::intrusive_ptr<c10d::Backend>, 3>;
   using DeviceFactory = std::function<SubBackends(const c10::Device&)>;
   // A device's sub-backends and streams (defined in paro_backend.cc).
   struct Device;
 
   ParoBackend(const Shape& shape, c10::intrusive_ptr<c10d::Backend> intra,
-              c10::intrusive_ptr<c10d::Backend> inter, c10::intrusive_ptr<c10d::Backend> flat,
+              c10::intrusive_ptr<c10d::Backend> inter, c10::intrusive_ptr<c10d::Backend> global,
               DeviceFactory device_factory);
   ~ParoBackend() override;
 
@@ -106,9 +106,9 @@ class ParoBackend : public c10d::Backend {
   // Passed on to the device sub-backends (NCCL frees its communicators here); the CPU ones end with the backend.
   void shutdown() override;
   void abort() override;
-  // Gloo's monitored barrier on the flat sub-backend: names the ranks that did not arrive within the timeout.
+  // Gloo's monitored barrier on the global sub-backend: names the ranks that did not arrive within the timeout.
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) override;
-  // Run by the flat sub-backend, in call order.
+  // Run by the global sub-backend, in call order.
   c10::intrusive_ptr<c10d::Work> all_to_all_single(at::Tensor& output, at::Tensor& input,
                                                    std::vector<int64_t>& outputSplits,
                                                    std::vector<int64_t>& inputSplits,
@@ -182,7 +182,7 @@ class ParoBackend : public c10d::Backend {
   static void worker_loop(const std::shared_ptr<Queue>& queue);
 
   Shape shape_;
-  c10::intrusive_ptr<c10d::Backend> intra_, inter_, flat_;
+  c10::intrusive_ptr<c10d::Backend> intra_, inter_, global_;
   std::array<std::atomic<std::uint64_t>, 3> bytes_{};
   std::array<std::atomic<std::uint64_t>, 3> ops_{};
   std::atomic<std::uint64_t> seq_{0};

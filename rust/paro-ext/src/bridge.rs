@@ -13,7 +13,7 @@ pub mod ffi {
     enum Level {
         Intra,
         Inter,
-        Flat,
+        Global,
     }
 
     /// What a step does.
@@ -71,7 +71,7 @@ pub mod ffi {
     }
 
     /// A plan: scratch sizes, steps, and per stage the mask of the streams it uses on a device
-    /// (bit 0 intra, 1 inter, 2 flat, 3 local; see paro_core::streams).
+    /// (bit 0 intra, 1 inter, 2 global, 3 local; see paro_core::streams).
     #[derive(Debug, Clone)]
     struct PlanOut {
         tmp: Vec<i64>,
@@ -101,7 +101,7 @@ pub mod ffi {
             shape: &Shape,
             intra: usize,
             inter: usize,
-            flat: usize,
+            global: usize,
             device_key: i64,
         ) -> Result<usize>;
         /// See cpp/bridge.h.
@@ -181,7 +181,7 @@ fn make_plan(op: CollectiveOp, shape: &Shape, numel: u64, elem_size: u64, root: 
                 level: match s.level {
                     CoreLevel::Intra => Level::Intra,
                     CoreLevel::Inter => Level::Inter,
-                    CoreLevel::Global => Level::Flat,
+                    CoreLevel::Global => Level::Global,
                 },
                 src: region(&s.src),
                 dst: region(&s.dst),

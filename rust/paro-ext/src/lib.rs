@@ -205,7 +205,7 @@ fn describe_plan(
     serde_json::to_string(&plan).map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
-/// Runs the cost model: a Request as JSON in, a Report as JSON out (see paro-core cost/mod.rs).
+/// Runs the cost model: a Request as JSON in, a Report as JSON out (see paro-core cost/request.rs, cost/report.rs).
 #[pyfunction]
 fn estimate(request: &str) -> PyResult<String> {
     paro_core::cost::estimate_json(request).map_err(to_py)
@@ -223,7 +223,7 @@ fn gpu_cluster(name: &str, world: usize, group_size: usize, inter_gbit: f64, eff
 /// Builds the C++ `paro` Backend over Gloo sub-backends (intra and inter may be None); its device sub-backends come
 /// from the device factory with `device_key` (negative: none; see `set_device_factory`).
 #[pyfunction]
-#[pyo3(signature = (world, group_size, rank, chunk_bytes, max_chunks, intra, inter, flat, device_key=-1))]
+#[pyo3(signature = (world, group_size, rank, chunk_bytes, max_chunks, intra, inter, global_, device_key=-1))]
 #[allow(clippy::too_many_arguments)]
 fn create_backend<'py>(
     py: Python<'py>,
@@ -234,7 +234,7 @@ fn create_backend<'py>(
     max_chunks: u32,
     intra: Option<Bound<'py, PyAny>>,
     inter: Option<Bound<'py, PyAny>>,
-    flat: Bound<'py, PyAny>,
+    global_: Bound<'py, PyAny>,
     device_key: i64,
 ) -> PyResult<Bound<'py, PyAny>> {
     let shape = bridge::ffi::Shape { world, group_size, rank, chunk_bytes, max_chunks };
@@ -242,13 +242,13 @@ fn create_backend<'py>(
     let ptr = |o: &Option<Bound<'py, PyAny>>| o.as_ref().map_or(0, |b| b.as_ptr() as usize);
     // SAFETY: the pointers are live Python objects held by this frame; the GIL is held.
     let obj =
-        unsafe { bridge::ffi::create_backend(&shape, ptr(&intra), ptr(&inter), flat.as_ptr() as usize, device_key) }
+        unsafe { bridge::ffi::create_backend(&shape, ptr(&intra), ptr(&inter), global_.as_ptr() as usize, device_key) }
             .map_err(|e| PyRuntimeError::new_err(e.what().to_string()))?;
     // SAFETY: create_backend returns a new reference.
     Ok(unsafe { Bound::from_owned_ptr(py, obj as *mut pyo3::ffi::PyObject) })
 }
 
-/// Sets the callable `(key, device: str) -> (intra, inter, flat)` that makes a backend's sub-backends for device
+/// Sets the callable `(key, device: str) -> (intra, inter, global)` that makes a backend's sub-backends for device
 /// tensors on first use (`create_backend(..., device_key=key)`); it is kept for the life of the process.
 #[pyfunction]
 fn set_device_factory(factory: Bound<'_, PyAny>) -> PyResult<()> {

@@ -3,8 +3,8 @@
 use std::cmp::Ordering;
 
 use super::explain::{gb, secs, trim_float};
+use super::report::{Choice, StrategyEstimate};
 use super::request::{Selection, Training};
-use super::{Choice, StrategyEstimate};
 use crate::model::Model;
 use crate::strategy::Granularity;
 

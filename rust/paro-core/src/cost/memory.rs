@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::Context;
+use super::context::Context;
 use crate::error::{ParoError, Result};
 use crate::model::{checked_add, checked_mul, Block};
 use crate::strategy::{Granularity, Strategy};

@@ -10,7 +10,7 @@
 
 use serde::Serialize;
 
-use super::request::Cluster;
+use super::request::{Cluster, Link};
 use crate::error::{ParoError, Result};
 
 /// One GPU class.
@@ -81,29 +81,14 @@ impl GpuPreset {
         if !(inter_gbit.is_finite() && inter_gbit > 0.0) {
             return Err(ParoError::Invalid(format!("inter-node bandwidth {inter_gbit} Gbit/s must be positive")));
         }
+        let intra = Link::new(self.nvlink_bandwidth, INTRA_LATENCY);
+        let inter = Link::new(inter_gbit * 1e9 / 8.0, INTER_LATENCY);
+        // the engine's copy-out after each parameter gather is left out (no unpack bandwidth): unmeasured on GPUs
+        // so far (where paro runs, the link probe measures it; benchmarks/JOURNAL.md, "The unshard's copy-out")
         Ok(Cluster {
-            world,
-            group_size,
-            intra_bandwidth: self.nvlink_bandwidth,
-            inter_bandwidth: inter_gbit * 1e9 / 8.0,
-            intra_latency: INTRA_LATENCY,
-            inter_latency: INTER_LATENCY,
-            memory_bytes: self.memory_bytes,
             compute_flops: Some(self.peak_flops * efficiency),
             optimizer_params_per_s: Some(self.memory_bandwidth / OPTIMIZER_BYTES_PER_PARAM),
-            intra_overlap: None,
-            inter_overlap: None,
-            intra_slowdown: None,
-            inter_slowdown: None,
-            intra_reduce_scatter_bandwidth: None,
-            inter_reduce_scatter_bandwidth: None,
-            inter_all_reduce_bandwidth: None,
-            intra_reduce_scatter_slowdown: None,
-            inter_reduce_scatter_slowdown: None,
-            // the engine's copy-out after each parameter gather is left out: unmeasured on GPUs so far (where paro
-            // runs, the link probe measures it; benchmarks/JOURNAL.md, "The unshard's copy-out")
-            unpack_bandwidth: None,
-            shared_cores: false,
+            ..Cluster::new(world, group_size, intra, inter, self.memory_bytes)
         })
     }
 }

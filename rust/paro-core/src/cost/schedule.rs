@@ -13,16 +13,16 @@
 //! behind the forward of earlier units. Collectives queue on their level's links in issue order (an intra-group
 //! and an inter-group call run at once; a global call holds both); compute waits only for what it needs.
 //!
-//! Where collectives and compute share a rank's cores (`Cluster::intra_overlap`, `intra_slowdown` and their
-//! inter-group twins), the simulation runs them at rates: while compute runs, a collective progresses at
+//! Where collectives and compute share a rank's cores (each level's `Link::overlap` and `Link::slowdown`), the
+//! simulation runs them at rates: while compute runs, a collective progresses at
 //! 1 / slowdown of its speed alone, and compute loses (1 − overlap) seconds per second of collective work done
 //! beside it. With both figures 1 (GPUs; the default) every task runs at full speed. Where the ranks share CPU
 //! cores (`Cluster::shared_cores`) the overlap is 0 on both levels: compute loses what the collectives do.
 
 use serde::{Deserialize, Serialize};
 
+use super::context::Context;
 use super::traffic::Call;
-use super::Context;
 use crate::comm::Level;
 use crate::error::Result;
 use crate::strategy::{Granularity, Strategy};
@@ -266,7 +266,7 @@ impl Context<'_> {
                     let (lost_intra, lost_inter) = if cluster.shared_cores {
                         (1.0, 1.0)
                     } else {
-                        (1.0 - cluster.intra_overlap.unwrap_or(1.0), 1.0 - cluster.inter_overlap.unwrap_or(1.0))
+                        (1.0 - cluster.intra.overlap.unwrap_or(1.0), 1.0 - cluster.inter.overlap.unwrap_or(1.0))
                     };
                     let (slow_intra, slow_inter) = self.level_seconds(&c.traffic, true);
                     let t = &mut sim.tasks[task];

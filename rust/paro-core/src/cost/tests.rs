@@ -3,7 +3,7 @@
 use super::memory::padded_numel;
 use super::*;
 use crate::comm::{Collective, Level};
-use crate::model::Block;
+use crate::model::{Block, LlamaShape};
 use crate::model::{ModelSpec, Trainable};
 use proptest::prelude::*;
 
@@ -13,28 +13,7 @@ const PSI_7B: u64 = 6_738_415_616;
 const PSI_65B: u64 = 65_200_000_000;
 
 fn cluster(world: usize) -> Cluster {
-    Cluster {
-        world,
-        group_size: 8,
-        intra_bandwidth: 150e9,
-        inter_bandwidth: 12.5e9,
-        intra_latency: 5e-6,
-        inter_latency: 2e-5,
-        memory_bytes: 80_000_000_000,
-        compute_flops: None,
-        optimizer_params_per_s: None,
-        intra_overlap: None,
-        inter_overlap: None,
-        intra_slowdown: None,
-        inter_slowdown: None,
-        intra_reduce_scatter_bandwidth: None,
-        inter_reduce_scatter_bandwidth: None,
-        inter_all_reduce_bandwidth: None,
-        intra_reduce_scatter_slowdown: None,
-        inter_reduce_scatter_slowdown: None,
-        unpack_bandwidth: None,
-        shared_cores: false,
-    }
+    Cluster::new(world, 8, Link::new(150e9, 5e-6), Link::new(12.5e9, 2e-5), 80_000_000_000)
 }
 
 fn request(model: ModelSpec, trainable: Option<Trainable>, cluster: Cluster) -> Request {
@@ -145,28 +124,7 @@ fn exact_bytes_and_time_of_one_iig_step() {
     let mut req = request(
         blocks(&[(10, 6), (7, 0)]),
         None,
-        Cluster {
-            world: 4,
-            group_size: 2,
-            intra_bandwidth: 1.0,
-            inter_bandwidth: 0.5,
-            intra_latency: 1.0,
-            inter_latency: 10.0,
-            memory_bytes: 1 << 40,
-            compute_flops: None,
-            optimizer_params_per_s: None,
-            intra_overlap: None,
-            inter_overlap: None,
-            intra_slowdown: None,
-            inter_slowdown: None,
-            intra_reduce_scatter_bandwidth: None,
-            inter_reduce_scatter_bandwidth: None,
-            inter_all_reduce_bandwidth: None,
-            intra_reduce_scatter_slowdown: None,
-            inter_reduce_scatter_slowdown: None,
-            unpack_bandwidth: None,
-            shared_cores: false,
-        },
+        Cluster::new(4, 2, Link::new(1.0, 1.0), Link::new(0.5, 10.0), 1 << 40),
     );
     req.training.grad_accum = 3;
     req.strategies = Some(vec!["IIG".into()]);
@@ -382,8 +340,8 @@ fn shared_cores_slow_the_step_and_its_parts_still_add_up() {
         for e in &estimate(&req).unwrap().strategies {
             assert_eq!(e.step.interference_s, 0.0, "{}", e.code);
         }
-        (req.cluster.intra_overlap, req.cluster.inter_overlap) = (Some(0.1), Some(0.7));
-        (req.cluster.intra_slowdown, req.cluster.inter_slowdown) = (Some(3.0), Some(1.2));
+        (req.cluster.intra.overlap, req.cluster.inter.overlap) = (Some(0.1), Some(0.7));
+        (req.cluster.intra.slowdown, req.cluster.inter.slowdown) = (Some(3.0), Some(1.2));
         for e in &estimate(&req).unwrap().strategies {
             let t = &e.step;
             let parts = t.compute_s + t.optimizer_s + t.exposed_intra_s + t.exposed_inter_s + t.exposed_global_s;
@@ -399,26 +357,9 @@ fn the_schedule_of_a_ddp_step_by_hand() {
     // 1 parameter/s for the optimizer, no recomputation. Forward 2·10 = 20 s, backward 2·10 + 2·10 = 40 s per
     // unit; t_syncg of a unit: an all-reduce of 20 bytes over 2 ranks, 20 s; the optimizer on 20 parameters, 20 s.
     let cluster = Cluster {
-        world: 2,
-        group_size: 2,
-        intra_bandwidth: 1.0,
-        inter_bandwidth: 1.0,
-        intra_latency: 0.0,
-        inter_latency: 0.0,
-        memory_bytes: 1 << 40,
         compute_flops: Some(1.0),
         optimizer_params_per_s: Some(1.0),
-        intra_overlap: None,
-        inter_overlap: None,
-        intra_slowdown: None,
-        inter_slowdown: None,
-        intra_reduce_scatter_bandwidth: None,
-        inter_reduce_scatter_bandwidth: None,
-        inter_all_reduce_bandwidth: None,
-        intra_reduce_scatter_slowdown: None,
-        inter_reduce_scatter_slowdown: None,
-        unpack_bandwidth: None,
-        shared_cores: false,
+        ..Cluster::new(2, 2, Link::new(1.0, 0.0), Link::new(1.0, 0.0), 1 << 40)
     };
     let mut req = request(blocks(&[(10, 10), (10, 10)]), None, cluster);
     req.strategies = Some(vec!["NNN".into()]);
@@ -433,10 +374,10 @@ fn the_schedule_of_a_ddp_step_by_hand() {
     let t = find(&estimate(&req).unwrap(), "NNN").step;
     assert_eq!((t.step_s, t.compute_s, t.optimizer_s, t.exposed_global_s), (280.0, 240.0, 20.0, 20.0));
     // communication that slows compute: of the 40 s of (intra-group) all-reduces 20 s ran beside the backward of
-    // unit 0, which takes (1 - intra_overlap) of that longer; with overlap 0 the step is everything in a row
+    // unit 0, which takes (1 - the intra-group overlap) of that longer; with overlap 0 the step is everything in a row
     for (overlap, interference) in [(0.5, 10.0), (0.0, 20.0)] {
-        req.cluster.intra_overlap = Some(overlap);
-        req.cluster.inter_overlap = Some(1.0); // nothing crosses groups here
+        req.cluster.intra.overlap = Some(overlap);
+        req.cluster.inter.overlap = Some(1.0); // nothing crosses groups here
         let t = find(&estimate(&req).unwrap(), "NNN").step;
         assert_eq!((t.interference_s, t.step_s), (interference, 280.0 + interference));
     }
@@ -448,16 +389,16 @@ fn the_schedule_of_a_ddp_step_by_hand() {
     for (slowdown, overlap, step, exposed, interference) in
         [(3.0, 1.0, 500.0 / 3.0, 80.0 / 3.0, 0.0), (2.0, 0.5, 170.0, 20.0, 10.0)]
     {
-        (req.cluster.intra_slowdown, req.cluster.intra_overlap) = (Some(slowdown), Some(overlap));
+        (req.cluster.intra.slowdown, req.cluster.intra.overlap) = (Some(slowdown), Some(overlap));
         let t = find(&estimate(&req).unwrap(), "NNN").step;
         let got = [t.step_s, t.exposed_global_s, t.interference_s, t.compute_s + t.optimizer_s];
         let want = [step, exposed, interference, 140.0];
         assert!(got.iter().zip(want).all(|(g, w)| (g - w).abs() < 1e-9), "slowdown {slowdown}: {t:?}");
     }
-    req.cluster.intra_slowdown = Some(0.5);
+    req.cluster.intra.slowdown = Some(0.5);
     assert!(estimate(&req).unwrap_err().to_string().contains("intra_slowdown 0.5 must be a factor of at least 1"));
-    req.cluster.intra_slowdown = None;
-    req.cluster.inter_overlap = Some(1.5);
+    req.cluster.intra.slowdown = None;
+    req.cluster.inter.overlap = Some(1.5);
     assert!(estimate(&req).unwrap_err().to_string().contains("inter_overlap 1.5 must be a fraction"));
 }
 
@@ -465,7 +406,7 @@ fn the_schedule_of_a_ddp_step_by_hand() {
 /// within the group and no latency, 1 FLOP/s, 1 parameter/s for the optimizer, one micro-step of one token.
 fn hand_timed(code: &str) -> Request {
     let mut req = request(blocks(&[(10, 10), (10, 10)]), None, Cluster { world: 2, group_size: 2, ..cluster(2) });
-    (req.cluster.intra_bandwidth, req.cluster.intra_latency) = (1.0, 0.0);
+    (req.cluster.intra.bandwidth, req.cluster.intra.latency) = (1.0, 0.0);
     (req.cluster.compute_flops, req.cluster.optimizer_params_per_s) = (Some(1.0), Some(1.0));
     (req.training.micro_batch, req.training.seq_len, req.training.activation_checkpointing) = (1, 1, false);
     (req.training.grad_accum, req.strategies) = (1, Some(vec![code.into()]));
@@ -493,19 +434,19 @@ fn reduce_scatters_move_at_their_own_measured_speed() {
     assert_eq!(step(&req), (280.0, 20.0, 40.0));
     req.training.grad_accum = 1;
     // at half the all-gather's bandwidth the reduce-scatters take 20 s each: unit 0's ends at 150
-    req.cluster.intra_reduce_scatter_bandwidth = Some(0.5);
+    req.cluster.intra.reduce_scatter_bandwidth = Some(0.5);
     assert_eq!(step(&req), (160.0, 20.0, 40.0));
     // 5 times slower beside compute: unit 1's does 8 s of its 10 beside unit 0's backward (90–130), 2 s alone,
     // then unit 0's (132–142); the all-gather beside unit 0's forward is as fast as alone
-    req.cluster.intra_reduce_scatter_bandwidth = None;
-    req.cluster.intra_reduce_scatter_slowdown = Some(5.0);
+    req.cluster.intra.reduce_scatter_bandwidth = None;
+    req.cluster.intra.reduce_scatter_slowdown = Some(5.0);
     assert_eq!(step(&req), (152.0, 20.0, 20.0));
     // the level's slowdown stands in for an unmeasured reduce-scatter's, and slows the all-gather too
-    (req.cluster.intra_slowdown, req.cluster.intra_reduce_scatter_slowdown) = (Some(5.0), None);
+    (req.cluster.intra.slowdown, req.cluster.intra.reduce_scatter_slowdown) = (Some(5.0), None);
     let slowed = step(&req).0;
-    req.cluster.intra_reduce_scatter_slowdown = Some(1.0);
+    req.cluster.intra.reduce_scatter_slowdown = Some(1.0);
     assert!(slowed > step(&req).0 && step(&req).0 > 150.0, "{slowed} {:?}", step(&req));
-    req.cluster.inter_reduce_scatter_bandwidth = Some(0.0);
+    req.cluster.inter.reduce_scatter_bandwidth = Some(0.0);
     assert!(estimate(&req).unwrap_err().to_string().contains("inter_reduce_scatter_bandwidth 0 must be a positive"));
 }
 
@@ -558,11 +499,11 @@ fn on_shared_cores_collectives_take_their_work_from_compute() {
     let ngg = |group_size: usize| {
         let mut req = request(blocks(&[(10, 10), (10, 10)]), None, Cluster { world: 2, group_size, ..cluster(2) });
         let c = &mut req.cluster;
-        (c.intra_bandwidth, c.intra_latency, c.inter_bandwidth, c.inter_latency) = (1.0, 0.0, 1.0, 0.0);
+        (c.intra.bandwidth, c.intra.latency, c.inter.bandwidth, c.inter.latency) = (1.0, 0.0, 1.0, 0.0);
         (c.compute_flops, c.optimizer_params_per_s) = (Some(1.0), Some(1.0));
-        (c.intra_slowdown, c.intra_reduce_scatter_slowdown) = (Some(2.0), Some(1.0));
-        (c.inter_slowdown, c.inter_reduce_scatter_slowdown) = (Some(2.0), Some(1.0));
-        (c.intra_overlap, c.inter_overlap) = (Some(1.0), Some(1.0));
+        (c.intra.slowdown, c.intra.reduce_scatter_slowdown) = (Some(2.0), Some(1.0));
+        (c.inter.slowdown, c.inter.reduce_scatter_slowdown) = (Some(2.0), Some(1.0));
+        (c.intra.overlap, c.inter.overlap) = (Some(1.0), Some(1.0));
         req.strategies = Some(vec!["NGG".into()]);
         (req.training.micro_batch, req.training.seq_len, req.training.activation_checkpointing) = (1, 1, false);
         req.training.grad_accum = 1;
@@ -591,7 +532,7 @@ fn the_optimizer_waits_for_the_boundarys_flags_and_the_clip_norm() {
     // optimizer states: none for os = N, within the group (2 s) for I, over all ranks (8 s) for G.
     let mut req = request(blocks(&[(12, 12), (12, 12)]), None, Cluster { world: 4, group_size: 2, ..cluster(4) });
     let c = &mut req.cluster;
-    (c.intra_bandwidth, c.inter_bandwidth, c.intra_latency, c.inter_latency) = (1e18, 1e18, 1.0, 3.0);
+    (c.intra.bandwidth, c.inter.bandwidth, c.intra.latency, c.inter.latency) = (1e18, 1e18, 1.0, 3.0);
     (c.compute_flops, c.optimizer_params_per_s) = (Some(1.0), Some(1.0));
     (req.training.micro_batch, req.training.seq_len, req.training.activation_checkpointing) = (1, 1, false);
     req.training.grad_accum = 1;
@@ -627,7 +568,7 @@ fn the_parameter_sync_across_groups_waits_before_forward() {
     assert_eq!(nni.inter_bytes, nng.inter_bytes);
     // both wait for the boundary's flags all-reduce (global): 2·7 intra and 2·3 inter ring steps
     let c = &req.cluster;
-    let flags = 14.0 * c.intra_latency + 6.0 * c.inter_latency;
+    let flags = 14.0 * c.intra.latency + 6.0 * c.inter.latency;
     assert!(nng.step.exposed_global_s > 2.0 * flags && nng.step.exposed_inter_s == 0.0, "{:?}", nng.step);
     assert!((nni.step.exposed_global_s - flags).abs() < 1e-12 && nni.step.exposed_inter_s > 0.0, "{:?}", nni.step);
 }
@@ -753,6 +694,25 @@ fn json_round_trip() {
 }
 
 #[test]
+fn a_cluster_is_one_flat_object_on_the_wire() {
+    // each level's figures under its prefix, the levels' links one record each in Rust
+    let mut c = Cluster::new(4, 2, Link::new(1.0, 2.0), Link::new(3.0, 4.0), 5);
+    (c.intra.slowdown, c.inter.all_reduce_bandwidth, c.shared_cores) = (Some(6.0), Some(7.0), true);
+    let value = serde_json::to_value(&c).unwrap();
+    let expected = serde_json::json!({"world": 4, "group_size": 2, "intra_bandwidth": 1.0, "inter_bandwidth": 3.0,
+        "intra_latency": 2.0, "inter_latency": 4.0, "memory_bytes": 5, "intra_slowdown": 6.0,
+        "inter_all_reduce_bandwidth": 7.0, "shared_cores": true});
+    assert_eq!(value, expected);
+    assert_eq!(serde_json::from_value::<Cluster>(value).unwrap(), c);
+    // the intra-group level prices no all-reduce of its own: the wire form has no field for it
+    let intra_reduce = EXAMPLE.replace("\"memory_bytes\"", "\"intra_all_reduce_bandwidth\": 1, \"memory_bytes\"");
+    assert!(matches!(estimate_json(&intra_reduce), Err(ParoError::Json { .. })));
+    let mut req: Request = serde_json::from_str(EXAMPLE).unwrap();
+    req.cluster.intra.all_reduce_bandwidth = Some(1.0);
+    assert!(estimate(&req).unwrap_err().to_string().contains("intra-group all_reduce_bandwidth is not priced"));
+}
+
+#[test]
 fn bad_requests_are_errors() {
     let json_err = |s: &str| matches!(estimate_json(s), Err(ParoError::Json { .. }));
     assert!(json_err("not json"));
@@ -852,7 +812,7 @@ fn an_inter_group_all_reduce_runs_at_its_own_bandwidth() {
     // in bf16: 16 bytes of gradients, an 8-byte half, of which each rank sends 2(k − 1)/k = 8 bytes, 8 s at
     // 1 byte/s. At 4 bytes/s for all-reduces alone it takes 2 s; the other calls keep their times.
     let mut req = request(blocks(&[(8, 8)]), None, Cluster { world: 4, group_size: 2, ..cluster(4) });
-    (req.cluster.inter_bandwidth, req.cluster.inter_latency) = (1.0, 0.0);
+    (req.cluster.inter.bandwidth, req.cluster.inter.latency) = (1.0, 0.0);
     (req.training.grad_accum, req.strategies) = (1, Some(vec!["NII".into(), "NIG".into()]));
     let times = |req: &Request| {
         let report = estimate(req).unwrap();
@@ -868,11 +828,11 @@ fn an_inter_group_all_reduce_runs_at_its_own_bandwidth() {
     };
     let (all_reduce, scatter, gather) = times(&req);
     assert_eq!(all_reduce, 8.0);
-    req.cluster.inter_all_reduce_bandwidth = Some(4.0);
+    req.cluster.inter.all_reduce_bandwidth = Some(4.0);
     assert_eq!(times(&req), (2.0, scatter, gather));
     let e = find(&estimate(&req).unwrap(), "NII").clone();
     assert_eq!(e.collectives.iter().filter(|c| c.op == Collective::AllReduce).map(|c| c.inter_bytes).sum::<u64>(), 8);
-    req.cluster.inter_all_reduce_bandwidth = Some(-1.0);
+    req.cluster.inter.all_reduce_bandwidth = Some(-1.0);
     assert!(estimate(&req).unwrap_err().to_string().contains("inter_all_reduce_bandwidth -1 must be a positive"));
 }
 
@@ -884,9 +844,9 @@ fn sharded_parameters_agree_on_backward_s_gathers_before_it() {
     // 64–104 and 104–144; the reduce-scatters 104–115 and 144–155; the boundary's flags 155–157; the optimizer on
     // the 10-parameter shard 157–167.
     let mut req = hand_timed("GGG");
-    req.cluster.intra_latency = 1.0;
+    req.cluster.intra.latency = 1.0;
     assert_eq!(find(&estimate(&req).unwrap(), "GGG").step.step_s, 167.0);
     // without latency the agreement costs nothing: every call 10 s, the step 160 s
-    req.cluster.intra_latency = 0.0;
+    req.cluster.intra.latency = 0.0;
     assert_eq!(find(&estimate(&req).unwrap(), "GGG").step.step_s, 160.0);
 }

@@ -4,9 +4,9 @@
 //! a unit's forward and backward (FLOPs over the rank's throughput) and the optimizer step (the os shard over the
 //! optimizer's throughput).
 
-use super::request::CollectiveAlgorithm;
+use super::context::Context;
+use super::request::{CollectiveAlgorithm, Link};
 use super::traffic::{Call, Traffic};
-use super::Context;
 use crate::comm::{Collective, Level};
 use crate::planner::ChunkPolicy;
 
@@ -24,24 +24,24 @@ impl Context<'_> {
     /// bandwidth), the reduce-scatter's slowdown its bytes.
     pub(super) fn level_seconds(&self, t: &Traffic, beside_compute: bool) -> (f64, f64) {
         let c = &self.req.cluster;
+        let (intra, inter) = (&c.intra, &c.inter);
         // (the level's slowdown, its reduce-scatters') beside compute; 1 alone
-        let slowdowns = |level: Option<f64>, scatter: Option<f64>| {
-            let level = if beside_compute { level.unwrap_or(1.0) } else { 1.0 };
-            (level, if beside_compute { scatter.unwrap_or(level) } else { 1.0 })
+        let slowdowns = |link: &Link| {
+            let level = if beside_compute { link.slowdown.unwrap_or(1.0) } else { 1.0 };
+            (level, if beside_compute { link.reduce_scatter_slowdown.unwrap_or(level) } else { 1.0 })
         };
-        let (intra, intra_scatter) = slowdowns(c.intra_slowdown, c.intra_reduce_scatter_slowdown);
-        let (inter, inter_scatter) = slowdowns(c.inter_slowdown, c.inter_reduce_scatter_slowdown);
-        let intra_scatter_bandwidth = c.intra_reduce_scatter_bandwidth.unwrap_or(c.intra_bandwidth);
-        let inter_scatter_bandwidth = c.inter_reduce_scatter_bandwidth.unwrap_or(c.inter_bandwidth);
-        let inter_reduce_bandwidth = c.inter_all_reduce_bandwidth.unwrap_or(c.inter_bandwidth);
+        let scatter_bandwidth = |link: &Link| link.reduce_scatter_bandwidth.unwrap_or(link.bandwidth);
+        let (intra_slowdown, intra_scatter) = slowdowns(intra);
+        let (inter_slowdown, inter_scatter) = slowdowns(inter);
+        let inter_reduce_bandwidth = inter.all_reduce_bandwidth.unwrap_or(inter.bandwidth);
         (
-            intra * (t.intra_hops as f64 * c.intra_latency + t.timed_intra as f64 / c.intra_bandwidth)
-                + intra_scatter * t.scattered_intra as f64 / intra_scatter_bandwidth,
-            inter
-                * (t.inter_hops as f64 * c.inter_latency
-                    + t.timed_inter as f64 / c.inter_bandwidth
+            intra_slowdown * (t.intra_hops as f64 * intra.latency + t.timed_intra as f64 / intra.bandwidth)
+                + intra_scatter * t.scattered_intra as f64 / scatter_bandwidth(intra),
+            inter_slowdown
+                * (t.inter_hops as f64 * inter.latency
+                    + t.timed_inter as f64 / inter.bandwidth
                     + t.reduced_inter as f64 / inter_reduce_bandwidth)
-                + inter_scatter * t.scattered_inter as f64 / inter_scatter_bandwidth,
+                + inter_scatter * t.scattered_inter as f64 / scatter_bandwidth(inter),
         )
     }
 
@@ -75,9 +75,9 @@ impl Context<'_> {
         let c = &self.req.cluster;
         let steps = |k: u64| 2.0 * k.saturating_sub(1) as f64;
         match level {
-            Level::Intra => steps(self.m) * c.intra_latency,
-            Level::Inter => steps(self.g) * c.inter_latency,
-            Level::Global => steps(self.m) * c.intra_latency + steps(self.g) * c.inter_latency,
+            Level::Intra => steps(self.m) * c.intra.latency,
+            Level::Inter => steps(self.g) * c.inter.latency,
+            Level::Global => steps(self.m) * c.intra.latency + steps(self.g) * c.inter.latency,
         }
     }
 

@@ -4,8 +4,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::context::Context;
 use super::request::CollectiveAlgorithm;
-use super::Context;
 use crate::comm::{Collective, Level};
 use crate::error::Result;
 use crate::model::{checked_add, checked_mul};
