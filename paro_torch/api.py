@@ -79,6 +79,7 @@ class Precision:
             "grad_bytes": self.master.itemsize,
             "reduce_bytes": self.reduce.itemsize,
             "optimizer_bytes": 2 * self.master.itemsize + separate,
+            "master_bytes": self.master.itemsize,
         }
 
 

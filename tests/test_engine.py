@@ -6,7 +6,7 @@ from launch import Case, RankResult, Shared, assert_ok, launch
 # (id, world, group size, variants): 2 x 2 trains every variant; the 8-rank shapes one each (8 processes on 2 cores
 # train 6x slower than 4, and the three variants at both took 11 minutes of the suite)
 SHAPES = [("2x2", 4, 2, "plain,frozen,lora"), ("2x4", 8, 4, "frozen"), ("4x2", 8, 2, "lora")]
-ACCOUNTING = [("2x2", 4, 2, "plain,frozen,bf16"), ("4x2", 8, 2, "frozen")]
+ACCOUNTING = [("2x2", 4, 2, "plain,frozen,bf16,bf16model"), ("4x2", 8, 2, "frozen")]
 BAD_INPUT = [
     ("unknown", "unknown strategy"),
     ("eliminated", "INI dominates"),

@@ -72,11 +72,13 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = build_groups(backend="paro")  # paro sub-groups: their counters measure bytes per level
     for variant in variants:
-        dtype = torch.bfloat16 if variant == "bf16" else torch.float32
+        dtype = torch.bfloat16 if variant in ("bf16", "bf16model") else torch.float32
+        # bf16model: a bfloat16 model without a policy (masters, gradients and states in bfloat16)
+        policy = None if variant == "bf16model" else MixedPrecisionPolicy(param_dtype=dtype)
         for code in paro_torch.STRATEGIES:
             model = ParoShardedModule(make(variant if variant != "bf16" else "plain"), code,
                                       process_groups=(groups.intra, groups.inter), wrap_policy={Block},
-                                      mixed_precision=MixedPrecisionPolicy(param_dtype=dtype))  # fmt: skip
+                                      mixed_precision=policy)  # fmt: skip
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             step(model, opt, rank)  # warm-up: creates optimizer states
             # both sets of the engine's groups (gathers, reductions): the paro backend measures their bytes

@@ -22,7 +22,7 @@ pub struct Memory {
     pub gathered_params: u64,
     /// Transient: one full-size gradient of the largest block before it is reduced (g ∈ {I, G}).
     pub unsharded_grads: u64,
-    /// Transient: fp32 gradient of the optimizer shard at step time (when `grad_bytes` < 4).
+    /// Transient: the gradient of the optimizer shard in the masters' dtype at step time (when `grad_bytes` is less).
     pub fp32_grads: u64,
     /// Activations of one micro-batch (0 when the model has no shape).
     pub activations: u64,
@@ -82,9 +82,12 @@ impl Context<'_> {
         let held = if s.p == Granularity::N { self.padded.iter().map(|b| b[0].0 + b[0].1).sum() } else { all };
         let params = checked_mul(held / dp, t.param_bytes, w)?;
         let grads = checked_mul(trainable / dg, t.grad_bytes, w)?;
-        // fp32 masters share the parameters' storage, except where p = N keeps the parameters in their natural
-        // layout and os is sharded: then the masters are a copy of their own (4 bytes per element).
-        let masters = if t.param_bytes >= 4 && s.p == Granularity::N && s.os != Granularity::N { 4 } else { 0 };
+        // masters stored as the parameters are share their storage, except where p = N keeps the parameters in
+        // their natural layout and os is sharded: then the masters are a copy of their own. Lower-precision
+        // parameters have their masters apart, counted in optimizer_bytes.
+        let master = t.master_bytes.unwrap_or(4);
+        let separate = t.param_bytes >= master && s.p == Granularity::N && s.os != Granularity::N;
+        let masters = if separate { master } else { 0 };
         let optimizer_states = checked_mul(trainable / dos, t.optimizer_bytes + masters, w)?;
         let model_states = checked_add(checked_add(params, grads, w)?, optimizer_states, w)?;
         let gathered_params = if s.p != Granularity::N && self.blocks_known {
@@ -101,7 +104,7 @@ impl Context<'_> {
         } else {
             0
         };
-        let fp32_grads = if t.grad_bytes < 4 { checked_mul(trainable / dos, 4, w)? } else { 0 };
+        let fp32_grads = if t.grad_bytes < master { checked_mul(trainable / dos, master, w)? } else { 0 };
         let total = [gathered_params, unsharded_grads, fp32_grads, self.activations]
             .iter()
             .try_fold(model_states, |acc, &x| checked_add(acc, x, w))?;

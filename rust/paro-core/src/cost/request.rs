@@ -258,6 +258,11 @@ pub struct Training {
     pub reduce_bytes: Option<u64>,
     /// Optimizer-state bytes per trainable parameter, K (12: fp32 master + Adam m and v).
     pub optimizer_bytes: u64,
+    /// Bytes per master element (the trainable parameters' own dtype); default 4. Where the parameters are stored
+    /// in it too (`param_bytes` at least this), the masters share their storage, except where p = N keeps the
+    /// natural layout and os is sharded: then they are a copy of their own, counted with the optimizer states.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub master_bytes: Option<u64>,
     /// Number of blocks whose gathered parameters are held at once (current + prefetched).
     pub prefetch: u64,
     /// Whether each step clips the gradients' global norm (`clip_grad_norm_`): one more small blocking
@@ -277,6 +282,7 @@ impl Default for Training {
             grad_bytes: 2,
             reduce_bytes: None,
             optimizer_bytes: 12,
+            master_bytes: None,
             prefetch: 2,
             clip_grad_norm: false,
         }
@@ -391,6 +397,7 @@ pub(super) fn validate_training(t: &Training) -> Result<()> {
         ("param_bytes", t.param_bytes),
         ("grad_bytes", t.grad_bytes),
         ("reduce_bytes", t.reduce_bytes.unwrap_or(t.grad_bytes)),
+        ("master_bytes", t.master_bytes.unwrap_or(4)),
         ("prefetch", t.prefetch),
     ] {
         if v == 0 {

@@ -119,6 +119,23 @@ fn memory_breakdown_with_padding_and_transients() {
 }
 
 #[test]
+fn masters_in_the_models_own_dtype() {
+    // a bf16 model without a policy: parameters, gradients, Adam's m and v and the masters all 2 bytes
+    let mut req = request(blocks(&[(10, 6), (7, 0)]), None, Cluster { world: 4, group_size: 2, ..cluster(4) });
+    req.strategies = Some(vec!["NNG".into(), "IIG".into()]);
+    req.training.optimizer_bytes = 4;
+    req.training.master_bytes = Some(2);
+    let report = estimate(&req).unwrap();
+    let nng = &find(&report, "NNG").memory;
+    // p = N keeps the natural layout and os = G: the masters are a bf16 copy of their own
+    assert_eq!((nng.params, nng.grads, nng.optimizer_states, nng.fp32_grads), (20 * 2, 8 * 2, 8 / 4 * (4 + 2), 0));
+    let iig = &find(&report, "IIG").memory;
+    assert_eq!((iig.optimizer_states, iig.fp32_grads), (8 / 4 * 4, 0), "masters share the parameters' storage");
+    req.training.master_bytes = Some(0);
+    assert!(estimate(&req).unwrap_err().to_string().contains("master_bytes"));
+}
+
+#[test]
 fn exact_bytes_and_time_of_one_iig_step() {
     // n = 4, m = 2, g = 2, A = 3, 2-byte params and grads; unit bandwidths and latencies for easy time.
     let mut req = request(
