@@ -78,7 +78,7 @@ def test_meta_device_model_wraps_within_shards_plus_a_unit() -> None:
 
 def test_memory_follows_the_run_on_common_shapes() -> None:
     """Measured peak memory (resident set) of a UNet run out of registration order, a vision tower no rank runs, a
-    block one rank skips and two forwards before one backward, against a chain of as many blocks, in GGG and IIG
-    (see tests/workers/engine_memory.py)."""
+    block one rank skips and two forwards before one backward, against a chain of as many blocks, in GGG and IIG;
+    and the memory gradients take beyond the accumulator (see tests/workers/engine_memory.py)."""
     env = {"PARO_GROUP_SIZE": "2", "MALLOC_MMAP_THRESHOLD_": "131072"}  # freed buffers leave the resident set
     print(assert_ok(launch("engine_memory.py", 4, env=env, args=("GGG,IIG",), timeout=400)))

@@ -52,21 +52,26 @@ class FlatBuffer(BufferStorage):
             # gradients accumulate across micro-steps in the masters' dtype (see [Note: mixed precision] in api.py)
             self.g_acc = torch.zeros(g_hi - g_lo, dtype=precision.master, device=self.device)
         # [Note: gradients in .grad] The masters' ``.grad`` exists from a window's first micro-step on, so that the
-        # user's ``zero_grad()`` (optimizer's or module's) reaches the accumulator, as with DDP: where g = os each
-        # ``.grad`` is a view of the accumulator itself, synced in place at the boundary (no second copy of the
-        # gradients); elsewhere it is a tensor at os's layout that the boundary's sync adds to. A ``.grad`` set to
-        # None, replaced, or (at g != os) changed in place since the engine last wrote it means the gradients were
-        # cleared: the accumulator restarts from zero, so a window abandoned after some micro-steps (a NaN guard) is
-        # not carried into the next step. Gradients not cleared after a boundary add up, as with DDP.
-        self._in_grad = trainable and strategy.g == strategy.os
+        # user's ``zero_grad()`` (optimizer's or module's) reaches the accumulator, as with DDP, and it is a view of
+        # the accumulator itself: of its os range, which lies inside its g range (the layouts nest), so gradients
+        # take no memory beyond the accumulator. The boundary's sync (t_syncg) writes the synced gradients there
+        # and zeroes the rest of the accumulator (this window's partial sums). A ``.grad`` set to None or replaced,
+        # or changed in place in the middle of a window, means the gradients were cleared: the accumulator restarts
+        # from zero, so a window abandoned after some micro-steps (a NaN guard) is not carried into the next step.
+        # Gradients not cleared after a boundary add up, as with DDP: set aside while the next window accumulates
+        # (its sync is not linear in place), added back after it.
+        if trainable:
+            os_lo, os_hi = self.range(strategy.os)
+            self._os_range = slice(os_lo - g_lo, os_hi - g_lo)
         self._marks: list[tuple[torch.Tensor, int]] | None = None
-        """The ``.grad`` of each parameter as the engine last left it, and its version (None: not set by us)."""
+        """The ``.grad`` of each parameter as the engine last left it, and its version (None: not set by us); the
+        engine writes the accumulator under them (their local tensors), which leaves their own versions alone."""
         self._window = False
         """A window (micro-steps since the last boundary) has started."""
         self._attached = False
         """This window's ``.grad`` were attached by the engine (they were None): unused everywhere, dropped."""
         self._carried: torch.Tensor | None = None
-        """At g = os: the synced gradients a window found in ``.grad`` (not cleared), added back after its sync."""
+        """The synced gradients a window found in ``.grad`` (not cleared), added back after its sync."""
 
     def prepare_grads(self) -> None:
         """Before a micro-step's reduction is queued: restart a cleared accumulator, attach this window's ``.grad``.
@@ -79,24 +84,22 @@ class FlatBuffer(BufferStorage):
             self._marks, self._carried = None, None
         if self._marks is None:
             self._attached = all(p.grad is None for p in self.params)
-            assert self._master_region is not None
-            region = self.g_acc if self._in_grad else torch.zeros_like(self._master_region)  # at os
-            if self._attached or self._in_grad:
-                old = [p.grad for p in self.params]
-                for p, local in zip(self.params, self._locals(region), strict=True):
-                    p.grad = self._grad_of(p, local)
-                if not self._attached:  # the user's own gradients: added to what this window accumulates
-                    for p, g in zip(self.params, old, strict=True):
-                        if g is not None:
-                            p.grad.add_(g)
+            old = [p.grad for p in self.params]
+            for p, local in zip(self.params, self._locals(self.g_acc[self._os_range]), strict=True):
+                p.grad = self._grad_of(p, local)
+            if not self._attached:  # the user's own gradients: added to what this window accumulates
+                for p, g in zip(self.params, old, strict=True):
+                    if g is not None:
+                        p.grad.add_(g)
             self._window = True
             self._mark()
         elif not self._window:  # a new window over gradients the user kept: they add up
             self._window = True
             self._attached = False
-            if self._in_grad and self.strategy.os != G:  # its sync is not linear in place: set them aside
-                self._carried = self.g_acc.clone()
+            if self.strategy.g != G:  # its sync is not linear in place: set them aside
+                self._carried = self.g_acc[self._os_range].clone()
                 self.g_acc.zero_()
+            self._mark()  # edits since the boundary are the user's gradients, not a clearing mid-window
 
     def retype(self, precision: Precision) -> None:
         """``BufferStorage.retype``, between optimizer steps: the accumulator restarts in the masters' new dtype."""
@@ -119,7 +122,8 @@ class FlatBuffer(BufferStorage):
     def _cleared(self) -> bool:
         assert self._marks is not None
         for p, (grad, version) in zip(self.params, self._marks, strict=True):
-            if p.grad is not grad or not self._in_grad and grad._version != version:
+            # replaced or set to None; or changed in place mid-window (zero_grad(set_to_none=False))
+            if p.grad is not grad or self._window and grad._version != version:
                 return True
         return False
 
@@ -159,33 +163,28 @@ class FlatBuffer(BufferStorage):
         """
         assert self.g_acc is not None
         s, groups = self.strategy, self.rgroups
-        x = self.g_acc.to(self.precision.reduce)  # collectives in reduce_dtype
-        if s.g == N:  # local sums: the division by n, as in reduce
-            x = x / self._pre
-        if s.g == N:
-            x = reduce_scatter(x, groups.intra, self.rledger, "intra")
-        if s.g in (N, I):  # partial sums across groups
-            if s.os == G:
+        if s.g != G:  # at g = G the accumulator is at os's layout already (see [Note: gradients in .grad])
+            x = self.g_acc.to(self.precision.reduce)  # collectives in reduce_dtype
+            if s.g == N:  # local sums: the division by n, as in reduce
+                x = x / self._pre
+                x = reduce_scatter(x, groups.intra, self.rledger, "intra")
+            if s.os == G:  # partial sums across groups
                 x = reduce_scatter(x, groups.inter, self.rledger, "inter")
             elif groups.inter is not None:
                 x = all_reduce(x, groups.inter, self.rledger, "inter")
-        if s.os == N:  # NNN: reduce-scatter, all-reduce across groups, all-gather: a hierarchical all-reduce
-            full = torch.empty(self.padded, dtype=x.dtype, device=self.device)
-            all_gather(full, x, groups.intra, self.rledger, "intra")
-            x = full
-        if s.g == N:
-            x = x / self._post
-        self._window = False
-        if self._in_grad:  # the accumulator is the gradients (see [Note: gradients in .grad])
+            if s.os == N:  # NNN: reduce-scatter, all-reduce across groups, all-gather: a hierarchical all-reduce
+                full = torch.empty(self.padded, dtype=x.dtype, device=self.device)
+                all_gather(full, x, groups.intra, self.rledger, "intra")
+                x = full
+            if s.g == N:
+                x = x / self._post
             if x is not self.g_acc:
-                self.g_acc.copy_(x)
-            if self._carried is not None:
-                self.g_acc.add_(self._carried)
-                self._carried = None
-        else:
-            for p, local in zip(self.params, self._locals(x.to(self.precision.master)), strict=True):
-                p.grad.to_local().add_(local)
-            self.g_acc.zero_()
+                self.g_acc.zero_()  # this window's partial sums
+                self.g_acc[self._os_range].copy_(x)
+        if self._carried is not None:
+            self.g_acc[self._os_range].add_(self._carried)
+            self._carried = None
+        self._window = False
         self._mark()
         return self._attached
 
