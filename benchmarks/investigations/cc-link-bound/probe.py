@@ -85,11 +85,14 @@ def worker(cfg: dict) -> None:
     for c in cfg["chunks"]:
         pg = dist.new_group(backend="paro", pg_options=paro_torch.ParoBackendOptions(max_chunks=c))
         inp, agout = torch.ones(n // world), torch.empty(n)
-        out[f"paro-ag-c{c}"] = timed(partial(dist.all_gather_into_tensor, agout, inp, group=pg), cfg["repeats"])
+        if "ag" in cfg["ops"]:
+            out[f"paro-ag-c{c}"] = timed(partial(dist.all_gather_into_tensor, agout, inp, group=pg), cfg["repeats"])
         rsin, rsout = torch.ones(n), torch.empty(n // world)
-        out[f"paro-rs-c{c}"] = timed(partial(dist.reduce_scatter_tensor, rsout, rsin, group=pg), cfg["repeats"])
+        if "rs" in cfg["ops"]:
+            out[f"paro-rs-c{c}"] = timed(partial(dist.reduce_scatter_tensor, rsout, rsin, group=pg), cfg["repeats"])
         ar = torch.ones(n)
-        out[f"paro-ar-c{c}"] = timed(partial(dist.all_reduce, ar, group=pg), cfg["repeats"])
+        if "ar" in cfg["ops"]:
+            out[f"paro-ar-c{c}"] = timed(partial(dist.all_reduce, ar, group=pg), cfg["repeats"])
     if rank == 0:
         from _testbed import emit
 
@@ -106,6 +109,7 @@ def main() -> None:
     ap.add_argument("--size", default="16MiB")
     ap.add_argument("--chunks", default="1,4,8,16")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ops", default="ag,rs,ar", help="paro ops to time: ag, rs, ar")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--worker", default=None)
     args = ap.parse_args()
@@ -120,6 +124,7 @@ def main() -> None:
         "chunks": [int(c) for c in args.chunks.split(",")],
         "repeats": args.repeats,
         "warmup": args.warmup,
+        "ops": args.ops.split(","),
     }
     logdir = BENCH / "results" / "raw" / "cc-link-bound"
     logdir.mkdir(parents=True, exist_ok=True)
