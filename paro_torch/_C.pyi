@@ -1,6 +1,6 @@
 """Type stubs for the compiled extension (rust/paro-ext/src/lib.rs); tests/test_packaging.py checks them against it."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 __version__: str
@@ -71,6 +71,7 @@ def create_backend(
     inter: Any | None,
     global_: Any,
     device_key: int = -1,
+    links: Sequence[float] = (0.0, 0.0, 0.0, 0.0),
 ) -> Any: ...
 def set_device_factory(factory: Callable[[int, str], tuple[Any | None, Any | None, Any]]) -> None: ...
 def backend_stats(backend: Any) -> list[list[int]]: ...

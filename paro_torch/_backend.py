@@ -28,6 +28,7 @@ logger = logging.getLogger("paro_torch")
 BACKEND_NAME = "paro"
 _DEFAULT_CHUNK_BYTES = 1 << 20
 _DEFAULT_MAX_CHUNKS = 8
+_LINKS_MAX_CHUNKS = 32
 _warned_flat: set[tuple[int, ...]] = set()
 
 
@@ -38,9 +39,13 @@ class ParoBackendOptions:
     group_size: int | None = None
     """Ranks per group (fast-linked ranks, e.g. one node); used when PARO_GROUP_SIZE and LOCAL_WORLD_SIZE are unset."""
     chunk_bytes: int | None = None
-    """Target chunk size for pipelining the two levels (PARO_CHUNK_BYTES; default 1 MiB)."""
+    """Target chunk size for pipelining the two levels (PARO_CHUNK_BYTES; default: from ``links``, else 1 MiB)."""
     max_chunks: int | None = None
-    """Most chunks per collective (PARO_MAX_CHUNKS; default 8; 1 runs the levels one after the other)."""
+    """Most chunks per collective (PARO_MAX_CHUNKS; default 8, 32 with ``links``; 1 runs the levels one after the
+    other)."""
+    links: Any = None
+    """Both levels' link figures (a ``paro_torch.LinkCalibration`` or the path of one saved by ``calibrate()``; also
+    PARO_CALIBRATION): each collective's chunk count then comes from them, unless a chunk size is set."""
 
 
 @dataclass(frozen=True)
@@ -190,8 +195,12 @@ def _create(dist_backend_opts: Any, backend_options: Any) -> Any:
         group_size = resolve_group_size(size, opts)
         _C.check_topology(size, group_size)
     shape, reason = _C.subgroup_shape(global_ranks, group_size)
-    chunk_bytes = _env_int("PARO_CHUNK_BYTES") or (opts and opts.chunk_bytes) or _DEFAULT_CHUNK_BYTES
-    max_chunks = _env_int("PARO_MAX_CHUNKS") or (opts and opts.max_chunks) or _DEFAULT_MAX_CHUNKS
+    chunk_bytes = _env_int("PARO_CHUNK_BYTES") or (opts and opts.chunk_bytes) or 0
+    links = _links(opts.links if opts else None) if not chunk_bytes else None
+    max_chunks = _env_int("PARO_MAX_CHUNKS") or (opts and opts.max_chunks)
+    if links is None:
+        chunk_bytes = chunk_bytes or _DEFAULT_CHUNK_BYTES
+    max_chunks = max_chunks or (_DEFAULT_MAX_CHUNKS if links is None else _LINKS_MAX_CHUNKS)
 
     # Every instance gets fresh store keys, so a group created again after destroy_process_group (same
     # group name, same store under torchrun) never meets the previous instance's Gloo rendezvous keys.
@@ -210,7 +219,20 @@ def _create(dist_backend_opts: Any, backend_options: Any) -> Any:
     if torch.cuda.is_available():  # CUDA sub-backends, made on the first collective with CUDA tensors
         device_key = next(_device_keys)
         _device_makers[device_key] = functools.partial(_device_levels, store, timeout, base, rank, size, m)
-    return _C.create_backend(size, m, rank, chunk_bytes, max_chunks, intra, inter, global_, device_key)
+    return _C.create_backend(
+        size, m, rank, chunk_bytes, max_chunks, intra, inter, global_, device_key, links or [0.0] * 4
+    )
+
+
+def _links(given: Any) -> list[float] | None:
+    """[intra bandwidth, latency, inter bandwidth, latency] from a LinkCalibration, its file or PARO_CALIBRATION."""
+    given = given if given is not None else os.environ.get("PARO_CALIBRATION") or None
+    if given is None:
+        return None
+    from paro_torch.auto import LinkCalibration
+
+    cal = given if isinstance(given, LinkCalibration) else LinkCalibration.load(given)
+    return [cal.intra.bandwidth, cal.intra.latency, cal.inter.bandwidth, cal.inter.latency]
 
 
 def register() -> None:

@@ -272,3 +272,16 @@ def test_copy_out_probe_regrows_copies_and_frees_like_the_unshard(monkeypatch: p
     with _one_rank_group():
         speed = auto.measure_unpack(build_groups(1), nbytes=1 << 20, copies=4)
     assert speed == pytest.approx(4 * (1 << 20) / 0.5)
+
+
+def test_the_backend_takes_its_link_figures_from_a_calibration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunk count's link figures (docs/backend.md, "Settings"): from the option, else PARO_CALIBRATION."""
+    from paro_torch._backend import _links
+
+    cal = paro_torch.LinkCalibration(paro_torch.auto.Link(1e9, 1e-5), paro_torch.auto.Link(12.5e6, 1e-4))
+    assert _links(cal) == [1e9, 1e-5, 12.5e6, 1e-4]
+    monkeypatch.delenv("PARO_CALIBRATION", raising=False)
+    assert _links(None) is None
+    cal.save(tmp_path / "links.json")
+    monkeypatch.setenv("PARO_CALIBRATION", str(tmp_path / "links.json"))
+    assert _links(None) == [1e9, 1e-5, 12.5e6, 1e-4]

@@ -7,6 +7,7 @@
 pub mod comm;
 pub mod cost;
 pub mod error;
+pub mod host;
 pub mod layout;
 pub mod model;
 pub mod planner;

@@ -13,10 +13,18 @@
 //! inter-only (flat) topologies. All-gather, reduce-scatter and all-reduce on one level only skip
 //! that path: they run as the level's own collective (reduce-scatter as all-to-all + combine), without
 //! staging through scratch buffers.
+//!
+//! [Note: order inside a stage] Chunk c's steps of phase p (its p-th stage) run in stage c + p. Inside a stage the
+//! steps are ordered by phase, so a later chunk's earlier phase comes first (in stage 2 of an all-gather: chunk 2's
+//! inter step, then chunk 1's intra step, then chunk 0's copy), and a chunk's own steps keep their order. An
+//! executor that walks the plan in order and waits only where a step needs an earlier one (the CPU path,
+//! `crate::host`) has then always issued the next chunk's step of a level before it waits on the current one, so
+//! no link idles between chunks.
 
 use serde::{Deserialize, Serialize};
 
 pub use crate::comm::{Collective, Level};
+use crate::cost::Link;
 use crate::error::{ParoError, Result};
 use crate::topology::Topology;
 
@@ -27,7 +35,8 @@ pub enum Buf {
     Input,
     /// The caller's output tensor.
     Output,
-    /// A scratch buffer of the plan, zero-initialised, `Plan::tmp[i]` elements.
+    /// A scratch buffer of the plan, `Plan::tmp[i]` elements, not initialised: no element a plan has not written
+    /// reaches the output (an all-reduce's padding is reduced with the rest and then dropped).
     Tmp(u8),
 }
 
@@ -122,29 +131,67 @@ pub struct Step {
 }
 
 /// How messages are cut into chunks to pipeline the levels.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ChunkPolicy {
-    /// Target chunk size in bytes; a message gets ceil(bytes / chunk_bytes) chunks.
+    /// Target chunk size in bytes; a message gets ceil(bytes / chunk_bytes) chunks. 0: the count comes from
+    /// `links` (see [`ChunkPolicy::from_links`]), or from the default when they are not known.
     pub chunk_bytes: u64,
     /// Upper bound on the chunk count (1 = phases run one after the other).
     pub max_chunks: u32,
+    /// The intra-group and inter-group links, for `chunk_bytes` 0.
+    pub links: Option<(Link, Link)>,
 }
 
 impl ChunkPolicy {
+    /// A fixed target chunk size and upper bound on the count.
+    pub fn fixed(chunk_bytes: u64, max_chunks: u32) -> Self {
+        ChunkPolicy { chunk_bytes, max_chunks, links: None }
+    }
+
     /// Chunks of a message of `bytes` bytes: ceil(bytes / chunk_bytes), between 1 and `max_chunks`.
     pub fn count(&self, bytes: u64) -> u64 {
-        bytes.div_ceil(self.chunk_bytes.max(1)).clamp(1, u64::from(self.max_chunks.max(1)))
+        let chunk = if self.chunk_bytes == 0 { ChunkPolicy::default().chunk_bytes } else { self.chunk_bytes };
+        bytes.div_ceil(chunk.max(1)).clamp(1, u64::from(self.max_chunks.max(1)))
+    }
+
+    /// The chunk count of a two-level collective from its links. Walked as the CPU executor walks a plan (see
+    /// [Note: host schedule] in host.rs), C chunks take about max(T_a, T_b) + min(T_a, T_b) / C + C·α: the busier
+    /// level's time, the other level's time for one chunk (the pipeline's fill or drain) and, per chunk, α, the
+    /// latency of every communication step of one chunk (a ring step per peer). T is a level's bytes over its
+    /// bandwidth, from the one-chunk plan (`one`). The count minimising it is sqrt(min(T_a, T_b) / α), between 1
+    /// and `max_chunks`.
+    pub fn from_links(one: &Plan, intra: Link, inter: Link, sizes: (u64, u64), max_chunks: u32) -> u64 {
+        let time = |level: Level, link: Link| {
+            if link.bandwidth > 0.0 {
+                one.bytes_at(level) as f64 / link.bandwidth
+            } else {
+                0.0
+            }
+        };
+        let (t_a, t_b) = (time(Level::Intra, intra), time(Level::Inter, inter));
+        let alpha: f64 = one
+            .steps
+            .iter()
+            .filter(|s| s.kind.communicates())
+            .map(|s| match s.level {
+                Level::Intra => intra.latency * sizes.0.saturating_sub(1) as f64,
+                _ => inter.latency * sizes.1.saturating_sub(1) as f64,
+            })
+            .sum();
+        let fill = t_a.min(t_b);
+        let best = if alpha > 0.0 { (fill / alpha).sqrt().round() } else { f64::from(max_chunks) };
+        (best as u64).clamp(1, u64::from(max_chunks.max(1)))
     }
 }
 
 impl Default for ChunkPolicy {
     fn default() -> Self {
-        ChunkPolicy { chunk_bytes: 1 << 20, max_chunks: 8 }
+        ChunkPolicy { chunk_bytes: 1 << 20, max_chunks: 8, links: None }
     }
 }
 
 /// What to plan.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Request {
     /// The collective.
     pub collective: Collective,
@@ -215,12 +262,21 @@ struct Peers {
 /// Accumulates steps.
 struct Builder {
     steps: Vec<Step>,
+    /// Per step, the chunk it belongs to (see [Note: order inside a stage]).
+    chunk_of: Vec<u32>,
+    /// The chunk the steps pushed now belong to.
+    chunk: u32,
     elem: u64,
 }
 
 impl Builder {
+    fn push(&mut self, step: Step) {
+        self.steps.push(step);
+        self.chunk_of.push(self.chunk);
+    }
+
     fn local(&mut self, stage: u32, kind: Kind, src: Region, dst: Region) {
-        self.steps.push(Step { stage, kind, level: Level::Global, src, dst, root: 0, bytes: 0 });
+        self.push(Step { stage, kind, level: Level::Global, src, dst, root: 0, bytes: 0 });
     }
 
     /// An all-gather among `size` ranks at `level`, or a copy when the level has one rank.
@@ -229,7 +285,7 @@ impl Builder {
             return self.local(stage, Kind::Copy, src, dst);
         }
         let bytes = (size - 1) * src.numel() * self.elem;
-        self.steps.push(Step { stage, kind: Kind::AllGather, level, src, dst, root: 0, bytes });
+        self.push(Step { stage, kind: Kind::AllGather, level, src, dst, root: 0, bytes });
     }
 
     /// An all-to-all among `size` ranks at `level`, or a copy when the level has one rank.
@@ -238,7 +294,7 @@ impl Builder {
             return self.local(stage, Kind::Copy, src, dst);
         }
         let bytes = (size - 1) * (src.numel() / size) * self.elem;
-        self.steps.push(Step { stage, kind: Kind::AllToAll, level, src, dst, root: 0, bytes });
+        self.push(Step { stage, kind: Kind::AllToAll, level, src, dst, root: 0, bytes });
     }
 
     /// An in-place all-reduce among `size` ranks at `level` (nothing when the level has one rank); nominal
@@ -248,7 +304,7 @@ impl Builder {
             return;
         }
         let bytes = 2 * (size - 1) * region.numel().div_ceil(size) * self.elem;
-        self.steps.push(Step { stage, kind: Kind::AllReduce, level, src: region, dst: region, root: 0, bytes });
+        self.push(Step { stage, kind: Kind::AllReduce, level, src: region, dst: region, root: 0, bytes });
     }
 
     /// A rooted step (broadcast or reduce); nominal bytes: the root sends the buffer to each other rank
@@ -264,7 +320,7 @@ impl Builder {
             (Kind::Reduce, false) => n,
             _ => 0,
         };
-        self.steps.push(Step { stage, kind, level, src: region, dst: region, root: root as u32, bytes });
+        self.push(Step { stage, kind, level, src: region, dst: region, root: root as u32, bytes });
     }
 }
 
@@ -301,8 +357,17 @@ pub fn plan(req: &Request) -> Result<Plan> {
     let e = req.elem_size;
     let big_n = req.numel;
     // One level only (flat, intra-only or inter-only): no overlap to gain from chunking.
-    let policy = if g == 1 || m == 1 { ChunkPolicy { max_chunks: 1, ..req.chunks } } else { req.chunks };
-    let mut b = Builder { steps: Vec::new(), elem: e };
+    let policy = match req.chunks {
+        _ if g == 1 || m == 1 => ChunkPolicy { max_chunks: 1, ..req.chunks },
+        ChunkPolicy { chunk_bytes: 0, max_chunks, links: Some((intra_link, inter_link)) } if max_chunks > 1 => {
+            let one = plan(&Request { chunks: ChunkPolicy::fixed(u64::MAX, 1), ..*req })?;
+            let count = ChunkPolicy::from_links(&one, intra_link, inter_link, (m, g), max_chunks);
+            let bytes = req.numel.saturating_mul(req.elem_size.max(1));
+            ChunkPolicy::fixed(bytes.div_ceil(count).max(1), count as u32)
+        }
+        p => p,
+    };
+    let mut b = Builder { steps: Vec::new(), chunk_of: Vec::new(), chunk: 0, elem: e };
     let t = |i: u8| Buf::Tmp(i);
     let single = if m == 1 {
         Some((inter, g))
@@ -328,7 +393,7 @@ pub fn plan(req: &Request) -> Result<Plan> {
         }
         (Collective::Barrier, _) => {
             let none = Region::flat(Buf::Input, 0, 0);
-            b.steps.push(Step {
+            b.push(Step {
                 stage: 0,
                 kind: Kind::Barrier,
                 level: Level::Global,
@@ -344,6 +409,7 @@ pub fn plan(req: &Request) -> Result<Plan> {
             // g blocks, then a local transpose into rank order k'·m + r'.
             for (c, (off, len)) in split_chunks(big_n, e, policy).into_iter().enumerate() {
                 let stage = c as u32;
+                b.chunk = stage;
                 b.all_gather(stage, inter, g, Region::flat(Buf::Input, off, len), Region::flat(t(0), g * off, g * len));
                 b.all_gather(
                     stage + 1,
@@ -363,6 +429,7 @@ pub fn plan(req: &Request) -> Result<Plan> {
             // reduction; inter all-to-all of the g partial blocks + local reduction.
             for (c, (off, len)) in split_chunks(big_n, e, policy).into_iter().enumerate() {
                 let stage = c as u32;
+                b.chunk = stage;
                 let src = Region { buf: Buf::Input, offset: off, dims: [m, g, len], strides: [big_n, m * big_n, 1] };
                 let packed = Region { buf: t(0), offset: n * off, dims: [m, g, len], strides: [g * len, len, 1] };
                 b.local(stage, Kind::Copy, src, packed);
@@ -401,6 +468,7 @@ pub fn plan(req: &Request) -> Result<Plan> {
             let mut poff = 0;
             for (c, (off, len)) in split_chunks(big_n, e, policy).into_iter().enumerate() {
                 let stage = c as u32;
+                b.chunk = stage;
                 let plen = len.div_ceil(n) * n;
                 let q = plen / m;
                 let s = plen / n;
@@ -423,6 +491,7 @@ pub fn plan(req: &Request) -> Result<Plan> {
             for (c, (off, len)) in split_chunks(big_n, e, policy).into_iter().enumerate() {
                 let region = Region::flat(Buf::Output, off, len);
                 let stage = c as u32;
+                b.chunk = stage;
                 if kind == Kind::Broadcast {
                     // root's rail first, then inside every group from the rail member
                     if r == rr {
@@ -440,7 +509,51 @@ pub fn plan(req: &Request) -> Result<Plan> {
             vec![]
         }
     };
-    let mut steps = b.steps;
-    steps.sort_by_key(|s| s.stage); // stable: keeps plan order inside a stage
-    Ok(Plan { tmp, steps })
+    // [Note: order inside a stage]
+    let mut order: Vec<(u32, u32, Step)> =
+        b.steps.into_iter().zip(b.chunk_of).map(|(s, c)| (s.stage, s.stage - c, s)).collect();
+    order.sort_by_key(|&(stage, phase, _)| (stage, phase)); // stable: keeps a chunk's own order
+    Ok(Plan { tmp, steps: order.into_iter().map(|(_, _, s)| s).collect() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all_gather(chunks: ChunkPolicy) -> Plan {
+        // 2 groups of 2, 4 MiB per rank (a 16 MiB all-gather)
+        plan(&Request {
+            collective: Collective::AllGather,
+            topology: Some(Topology::new(4, 2).unwrap()),
+            world: 4,
+            rank: 1,
+            numel: 1 << 20,
+            elem_size: 4,
+            root: 0,
+            chunks,
+        })
+        .unwrap()
+    }
+
+    fn inter_steps(p: &Plan) -> usize {
+        p.steps.iter().filter(|s| s.kind.communicates() && s.level == Level::Inter).count()
+    }
+
+    #[test]
+    fn the_chunk_count_follows_the_links() {
+        let one = all_gather(ChunkPolicy::fixed(u64::MAX, 1));
+        // 200 Mbit/s shared by a node's 2 ranks (12.5 MB/s each), 1 GB/s inside the node, 0.1 ms per ring step:
+        // the intra level's 8 MiB take 8.4 ms, so sqrt(8.4 ms / 0.2 ms) ≈ 6 chunks
+        let (intra, inter) = (Link::new(1e9, 1e-4), Link::new(12.5e6, 1e-4));
+        assert_eq!(ChunkPolicy::from_links(&one, intra, inter, (2, 2), 64), 6);
+        // latency dominating: one chunk; no latency: as many as allowed
+        assert_eq!(ChunkPolicy::from_links(&one, intra, Link::new(12.5e6, 1.0), (2, 2), 64), 1);
+        assert_eq!(ChunkPolicy::from_links(&one, Link::new(1e9, 0.0), Link::new(12.5e6, 0.0), (2, 2), 16), 16);
+        // the planner cuts the message into that many chunks when asked to take the count from the links
+        let p = all_gather(ChunkPolicy { chunk_bytes: 0, max_chunks: 64, links: Some((intra, inter)) });
+        assert_eq!(inter_steps(&p), 6);
+        // a fixed chunk size still wins, and without links chunk_bytes 0 is the default size
+        assert_eq!(inter_steps(&all_gather(ChunkPolicy::fixed(1 << 20, 64))), 4);
+        assert_eq!(inter_steps(&all_gather(ChunkPolicy { chunk_bytes: 0, max_chunks: 64, links: None })), 4);
+    }
 }

@@ -3,6 +3,7 @@
 
 use std::collections::{HashMap, HashSet};
 
+use paro_core::host::waits;
 use paro_core::planner::{plan, Buf, ChunkPolicy, Collective, Kind, Level, Plan, Region, Request, Step};
 use paro_core::streams::{schedule, Lane};
 use paro_core::Topology;
@@ -72,7 +73,8 @@ fn simulate(
             bufs.insert(Buf::Output, if inplace { inputs[i].clone() } else { vec![-7; out_len] });
             bufs.insert(Buf::Input, inputs[i].clone());
             for (j, &len) in plans[i].tmp.iter().enumerate() {
-                bufs.insert(Buf::Tmp(j as u8), vec![0; len as usize]);
+                // scratch buffers are not initialised (planner::Buf::Tmp): garbage that must not reach the output
+                bufs.insert(Buf::Tmp(j as u8), vec![777_777_777; len as usize]);
             }
             Rank { bufs }
         })
@@ -176,11 +178,7 @@ fn simulate(
 }
 
 fn policies() -> Vec<ChunkPolicy> {
-    vec![
-        ChunkPolicy { chunk_bytes: 1 << 30, max_chunks: 8 },
-        ChunkPolicy { chunk_bytes: 1, max_chunks: 8 },
-        ChunkPolicy { chunk_bytes: 8, max_chunks: 3 },
-    ]
+    vec![ChunkPolicy::fixed(1 << 30, 8), ChunkPolicy::fixed(1, 8), ChunkPolicy::fixed(8, 3)]
 }
 
 fn plans_for(t: Topology, flat: bool, c: Collective, numel: u64, root: usize, chunks: ChunkPolicy) -> Vec<Plan> {
@@ -346,7 +344,7 @@ fn bytes_per_level_follow_the_ring_formulas() {
 #[test]
 fn chunks_pipeline_the_levels() {
     let t = Topology::new(8, 4).unwrap();
-    let pol = ChunkPolicy { chunk_bytes: 64, max_chunks: 4 };
+    let pol = ChunkPolicy::fixed(64, 4);
     let p = plan(&Request {
         collective: Collective::AllGather,
         topology: Some(t),
@@ -374,7 +372,7 @@ fn chunks_pipeline_the_levels() {
         numel: 64,
         elem_size: 4,
         root: 0,
-        chunks: ChunkPolicy { chunk_bytes: 64, max_chunks: 1 },
+        chunks: ChunkPolicy::fixed(64, 1),
     })
     .unwrap();
     assert_eq!(p.stages(), 3);
@@ -498,4 +496,112 @@ fn stream_schedules_order_every_conflicting_pair_of_steps() {
         }
     }
     assert!(checked > 1000 && waits > 0, "{checked} plans, {waits} local waits");
+}
+
+/// Checks a plan's host schedule (paro_core::host, [Note: host schedule]): walking the steps in order, every step
+/// runs after every earlier step it conflicts with has ended (local steps end when the walk passes them,
+/// communication steps when a wait names them).
+fn check_host_schedule(p: &Plan, inplace: bool, what: &str) {
+    let w = waits(p);
+    let mut waited: HashSet<usize> = HashSet::new();
+    for (b, sb) in p.steps.iter().enumerate() {
+        waited.extend(w[b].iter().map(|&j| j as usize));
+        let (rb, wb) = (cells(&sb.src, inplace), cells(&sb.dst, inplace));
+        for (a, sa) in p.steps.iter().enumerate().take(b) {
+            if !sa.kind.communicates() {
+                continue;
+            }
+            let (ra, wa) = (cells(&sa.src, inplace), cells(&sa.dst, inplace));
+            let conflict = !wa.is_disjoint(&rb) || !wa.is_disjoint(&wb) || !ra.is_disjoint(&wb);
+            assert!(!conflict || waited.contains(&a), "{what}: step {b} {sb:?} does not wait on step {a} {sa:?}");
+        }
+    }
+}
+
+/// A communication step's sub-communicator and its index among that member's steps on it.
+type Slot = ((Level, usize), usize);
+
+/// Runs every rank's host walk together, each sub-communicator completing its steps in issue order once all its
+/// members have issued them, and asserts that every walk ends (no rank waits on a step another rank never issues).
+fn check_host_progress(t: Topology, flat: bool, plans: &[Plan], what: &str) {
+    let w: Vec<Vec<Vec<u32>>> = plans.iter().map(waits).collect();
+    let n = plans.len();
+    let mut pos = vec![0usize; n];
+    // per step of each rank: (communicator, index of the step on it for this member)
+    let mut slot: Vec<Vec<Option<Slot>>> = Vec::new();
+    for (rank, p) in plans.iter().enumerate() {
+        let mut count: HashMap<(Level, usize), usize> = HashMap::new();
+        slot.push(
+            p.steps
+                .iter()
+                .map(|s| {
+                    s.kind.communicates().then(|| {
+                        let (lvl, id, _) = member(t, flat, rank, s.level);
+                        let c = count.entry((lvl, id)).or_default();
+                        *c += 1;
+                        ((lvl, id), *c - 1)
+                    })
+                })
+                .collect(),
+        );
+    }
+    let members = |comm: (Level, usize)| -> Vec<usize> {
+        (0..n).filter(|&r| comm.0 == Level::Global || member(t, flat, r, comm.0).1 == comm.1).collect()
+    };
+    let issued = |pos: &[usize], rank: usize, comm: (Level, usize)| -> usize {
+        (0..pos[rank]).filter(|&i| slot[rank][i].map(|x| x.0) == Some(comm)).count()
+    };
+    loop {
+        let mut moved = false;
+        for rank in 0..n {
+            while pos[rank] < plans[rank].steps.len() {
+                let i = pos[rank];
+                let ready = w[rank][i].iter().all(|&j| {
+                    let (comm, k) = slot[rank][j as usize].unwrap();
+                    // in issue order: the step and every earlier one on the communicator issued by all its members
+                    members(comm).iter().all(|&r| issued(&pos, r, comm) > k)
+                });
+                if !ready {
+                    break;
+                }
+                pos[rank] += 1;
+                moved = true;
+            }
+        }
+        if pos.iter().zip(plans).all(|(&p, plan)| p == plan.steps.len()) {
+            return;
+        }
+        assert!(moved, "{what}: the host walks wait on each other at {pos:?}");
+    }
+}
+
+#[test]
+fn host_schedules_order_every_conflicting_pair_and_never_deadlock() {
+    let collectives = [
+        (Collective::AllGather, false),
+        (Collective::ReduceScatter, false),
+        (Collective::AllReduce, true),
+        (Collective::Broadcast, true),
+        (Collective::Reduce, true),
+        (Collective::Barrier, false),
+    ];
+    let mut checked = 0;
+    for (t, flat) in shapes() {
+        for numel in [0, 1, 5, 13] {
+            for pol in policies() {
+                for (c, inplace) in collectives {
+                    for root in [0, t.world - 1] {
+                        let plans = plans_for(t, flat, c, numel, root, pol);
+                        let what = format!("{c:?} {t:?} flat={flat} n={numel} {pol:?}");
+                        for (rank, p) in plans.iter().enumerate() {
+                            check_host_schedule(p, inplace, &format!("{what} rank={rank}"));
+                            checked += 1;
+                        }
+                        check_host_progress(t, flat, &plans, &what);
+                    }
+                }
+            }
+        }
+    }
+    assert!(checked > 1000, "{checked} plans");
 }

@@ -450,7 +450,7 @@ void ParoBackend::run(CollectiveOp op, const at::Tensor& input, const at::Tensor
                            static_cast<int32_t>(root));
   std::vector<at::Tensor> tmp;
   tmp.reserve(plan.tmp.size());
-  for (int64_t n : plan.tmp) tmp.push_back(at::zeros({n}, in.options()));
+  for (int64_t n : plan.tmp) tmp.push_back(at::empty({n}, in.options()));  // see Buf::Tmp in planner.rs
   auto view = [&](const Region& r) {
     const at::Tensor& base = r.buf == 0 ? in : (r.buf == 1 ? out : tmp.at(r.buf - 2));
     return base.as_strided({r.d0, r.d1, r.d2}, {r.s0, r.s1, r.s2}, base.storage_offset() + r.offset);
@@ -465,9 +465,123 @@ void ParoBackend::run(CollectiveOp op, const at::Tensor& input, const at::Tensor
     ends.emplace_back(dev->device.type());
     ends.back().record(impl.getStream(dev->device));
   }
-  size_t i = 0;
+  // Issues a communication step: counts it, opens its profiler event (in `record`, ended by its owner) and
+  // returns its Work; the step's buffers go to `keep`, which must outlive the Work.
+  auto issue = [&](const Step& s, std::vector<at::Tensor>& keep, std::unique_ptr<at::RecordFunction>& record_out,
+                   const char*& title) -> c10::intrusive_ptr<c10d::Work> {
+    at::Tensor src = view(s.src).view({-1});
+    at::Tensor dst = view(s.dst).view({-1});
+    keep.push_back(src);
+    keep.push_back(dst);
+    c10d::Backend& b = level(s.level);
+    const int li = level_index(s.level);
+    bytes_[li] += s.bytes;
+    ops_[li] += 1;
+    title = step_title(s.level, s.kind);
+    auto record = std::make_unique<at::RecordFunction>(at::RecordScope::USER_SCOPE);
+    if (record->isActive()) {
+      const std::array<c10::IValue, 2> args{src, dst};
+      record->before(title, c10::ArrayRef<const c10::IValue>(args.data(), args.size()));
+      record_out = std::move(record);
+    }
+    const bool async = dev == nullptr;  // on a device: enqueued on the lane (the current stream)
+    switch (s.kind) {
+      case Kind::AllGather: {
+        c10d::AllgatherOptions o;
+        o.asyncOp = async;
+        return (sub_all_gather_single(b, dst, src, o));
+      }
+      case Kind::AllToAll: {
+        std::vector<int64_t> even;
+        c10d::AllToAllOptions o;
+        o.asyncOp = async;
+        return (sub_all_to_all_single(b, dst, src, even, even, o));
+      }
+      case Kind::AllReduce: {
+        std::vector<at::Tensor> v{dst};
+        c10d::AllreduceOptions o;
+        o.reduceOp = sub_op;
+        o.asyncOp = async;
+        return (b.allreduce(v, o));
+      }
+      case Kind::Broadcast: {
+        std::vector<at::Tensor> v{dst};
+        c10d::BroadcastOptions o;
+        o.rootRank = s.root;
+        o.asyncOp = async;
+        return (b.broadcast(v, o));
+      }
+      case Kind::Reduce: {
+        std::vector<at::Tensor> v{dst};
+        c10d::ReduceOptions o;
+        o.rootRank = s.root;
+        o.reduceOp = sub_op;
+        o.asyncOp = async;
+        return (b.reduce(v, o));
+      }
+      case Kind::Barrier: {
+        c10d::BarrierOptions o;
+        o.asyncOp = async;
+        return (b.barrier(o));
+      }
+      default:
+        TORCH_CHECK(false, "paro: unknown plan step");
+    }
+    return {};
+  };
   const auto& steps = plan.steps;
-  while (i < steps.size()) {
+  // The CPU path (paro_core::host, [Note: host schedule]): steps in plan order, each after the communication
+  // steps its `waits` name; every issued step ends before an error propagates (they write through borrowed tensors).
+  if (!dev) {
+    std::vector<c10::intrusive_ptr<c10d::Work>> works(steps.size());
+    std::vector<std::vector<at::Tensor>> keep(steps.size());
+    std::vector<std::unique_ptr<at::RecordFunction>> records(steps.size());
+    std::vector<const char*> titles(steps.size(), nullptr);
+    std::exception_ptr first_error;
+    size_t failed = 0;
+    auto finish = [&](size_t j) {
+      if (!works[j]) return;
+      try {
+        works[j]->wait();
+      } catch (...) {
+        if (!first_error) {
+          first_error = std::current_exception();
+          failed = j;
+        }
+      }
+      works[j].reset();
+      records[j].reset();  // ends the step's profiler event
+      keep[j].clear();
+    };
+    for (size_t j = 0; j < steps.size() && !first_error; ++j) {
+      const Step& s = steps[j];
+      for (uint32_t w : s.waits) finish(w);
+      if (first_error) break;
+      try {
+        if (s.kind == Kind::Copy) {
+          view(s.dst).copy_(view(s.src));
+        } else if (s.kind == Kind::Combine) {
+          combine(view(s.src), view(s.dst), sub_op.op_);
+        } else {
+          works[j] = issue(s, keep[j], records[j], titles[j]);
+        }
+      } catch (...) {
+        first_error = std::current_exception();
+        failed = j;
+      }
+    }
+    for (size_t j = 0; j < steps.size(); ++j) finish(j);
+    if (first_error) {
+      const char* title = titles[failed] ? titles[failed] : step_title(steps[failed].level, steps[failed].kind);
+      try {
+        std::rethrow_exception(first_error);
+      } catch (...) {
+        rethrow_with(c10::str("in step ", title, " of stage ", steps[failed].stage));
+      }
+    }
+  }
+  size_t i = 0;
+  while (dev && i < steps.size()) {
     const uint32_t stage = steps[i].stage;
     uint8_t entered = 0;  // lanes of this stage that have waited on `ends`
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
@@ -500,70 +614,10 @@ void ParoBackend::run(CollectiveOp op, const at::Tensor& input, const at::Tensor
         combine(view(s.src), view(s.dst), sub_op.op_);
         continue;
       }
-      at::Tensor src = view(s.src).view({-1});
-      at::Tensor dst = view(s.dst).view({-1});
-      keep.push_back(src);
-      keep.push_back(dst);
-      c10d::Backend& b = level(s.level);
-      const int li = level_index(s.level);
-      bytes_[li] += s.bytes;
-      ops_[li] += 1;
-      titles.push_back(step_title(s.level, s.kind));
-      auto record = std::make_unique<at::RecordFunction>(at::RecordScope::USER_SCOPE);
-      if (record->isActive()) {
-        const std::array<c10::IValue, 2> args{src, dst};
-        record->before(titles.back(), c10::ArrayRef<const c10::IValue>(args.data(), args.size()));
-        records.push_back(std::move(record));
-      }
-      const bool async = dev == nullptr;  // on a device: enqueued on the lane (the current stream)
-      switch (s.kind) {
-        case Kind::AllGather: {
-          c10d::AllgatherOptions o;
-          o.asyncOp = async;
-          works.push_back(sub_all_gather_single(b, dst, src, o));
-          break;
-        }
-        case Kind::AllToAll: {
-          std::vector<int64_t> even;
-          c10d::AllToAllOptions o;
-          o.asyncOp = async;
-          works.push_back(sub_all_to_all_single(b, dst, src, even, even, o));
-          break;
-        }
-        case Kind::AllReduce: {
-          std::vector<at::Tensor> v{dst};
-          c10d::AllreduceOptions o;
-          o.reduceOp = sub_op;
-          o.asyncOp = async;
-          works.push_back(b.allreduce(v, o));
-          break;
-        }
-        case Kind::Broadcast: {
-          std::vector<at::Tensor> v{dst};
-          c10d::BroadcastOptions o;
-          o.rootRank = s.root;
-          o.asyncOp = async;
-          works.push_back(b.broadcast(v, o));
-          break;
-        }
-        case Kind::Reduce: {
-          std::vector<at::Tensor> v{dst};
-          c10d::ReduceOptions o;
-          o.rootRank = s.root;
-          o.reduceOp = sub_op;
-          o.asyncOp = async;
-          works.push_back(b.reduce(v, o));
-          break;
-        }
-        case Kind::Barrier: {
-          c10d::BarrierOptions o;
-          o.asyncOp = async;
-          works.push_back(b.barrier(o));
-          break;
-        }
-        default:
-          TORCH_CHECK(false, "paro: unknown plan step");
-      }
+      std::unique_ptr<at::RecordFunction> record;
+      titles.emplace_back();
+      works.push_back(issue(s, keep, record, titles.back()));
+      if (record) records.push_back(std::move(record));
       // On a device the lane waits for the step (no CPU wait on NCCL; a null Work was enqueued on the lane).
       if (dev && works.back()) works.back()->wait();
     }
@@ -581,25 +635,6 @@ void ParoBackend::run(CollectiveOp op, const at::Tensor& input, const at::Tensor
       }
       records.clear();
       continue;
-    }
-    // every sub-collective of the stage ends before an error propagates: they write through borrowed tensors
-    std::exception_ptr first_error;
-    const char* failed = nullptr;
-    for (size_t w = 0; w < works.size(); ++w) {
-      try {
-        works[w]->wait();
-      } catch (...) {
-        if (!first_error) first_error = std::current_exception();
-        if (!failed) failed = titles[w];
-      }
-    }
-    records.clear();  // ends the steps' profiler events
-    if (first_error) {
-      try {
-        std::rethrow_exception(first_error);
-      } catch (...) {
-        rethrow_with(c10::str("in step ", failed, " of stage ", stage));
-      }
     }
   }
   if (dev) {  // join: the current stream waits on the last stage; the lanes keep what they used

@@ -1,9 +1,10 @@
 //! The cxx bridge between the Rust planner and the C++ c10d backend (cpp/).
 
+use paro_core::cost::Link;
 use paro_core::planner::{
     self, Buf, ChunkPolicy, Collective, Kind as CoreKind, Level as CoreLevel, Region as CoreRegion,
 };
-use paro_core::{streams, Topology};
+use paro_core::{host, streams, Topology};
 
 #[cxx::bridge(namespace = "paro")]
 pub mod ffi {
@@ -56,7 +57,7 @@ pub mod ffi {
     }
 
     /// One plan step (see planner::Step).
-    #[derive(Debug, Clone, Copy)]
+    #[derive(Debug, Clone)]
     struct Step {
         stage: u32,
         kind: Kind,
@@ -68,6 +69,9 @@ pub mod ffi {
         /// On a device: the step's stream first waits on the local steps before it in its stage
         /// (paro_core::streams, [Note: stream schedule]).
         wait_local: bool,
+        /// On the CPU: the earlier communication steps (indices into the plan's steps) to wait on before this
+        /// step runs or is issued (paro_core::host, [Note: host schedule]).
+        waits: Vec<u32>,
     }
 
     /// A plan: scratch sizes, steps, and per stage the mask of the streams it uses on a device
@@ -87,6 +91,9 @@ pub mod ffi {
         rank: i32,
         chunk_bytes: u64,
         max_chunks: u32,
+        /// Link figures the chunk count comes from when `chunk_bytes` is 0 (paro_core::planner::ChunkPolicy):
+        /// bytes per second per rank and seconds per step, intra then inter; a bandwidth of 0 is unknown.
+        links: [f64; 4],
     }
 
     extern "Rust" {
@@ -158,15 +165,24 @@ fn make_plan(op: CollectiveOp, shape: &Shape, numel: u64, elem_size: u64, root: 
             numel,
             elem_size,
             root: root.max(0) as usize,
-            chunks: ChunkPolicy { chunk_bytes: shape.chunk_bytes, max_chunks: shape.max_chunks },
+            chunks: ChunkPolicy {
+                chunk_bytes: shape.chunk_bytes,
+                max_chunks: shape.max_chunks,
+                links: match shape.links {
+                    [bi, li, be, le] if bi > 0.0 && be > 0.0 => Some((Link::new(bi, li), Link::new(be, le))),
+                    _ => None,
+                },
+            },
         };
         let plan = planner::plan(&req).map_err(|e| format!("paro: {e}"))?;
         let lanes = streams::schedule(&plan);
+        let waits = host::waits(&plan);
         let steps = plan
             .steps
             .iter()
             .zip(&lanes.wait_local)
-            .map(|(s, &wait_local)| Step {
+            .zip(waits)
+            .map(|((s, &wait_local), waits)| Step {
                 stage: s.stage,
                 kind: match s.kind {
                     CoreKind::AllGather => Kind::AllGather,
@@ -188,6 +204,7 @@ fn make_plan(op: CollectiveOp, shape: &Shape, numel: u64, elem_size: u64, root: 
                 root: s.root as i32,
                 bytes: s.bytes,
                 wait_local,
+                waits,
             })
             .collect();
         Ok(PlanOut { tmp: plan.tmp.iter().map(|&x| x as i64).collect(), steps, stage_lanes: lanes.stage_lanes })

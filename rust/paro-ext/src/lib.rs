@@ -199,7 +199,7 @@ fn describe_plan(
         numel,
         elem_size,
         root,
-        chunks: ChunkPolicy { chunk_bytes, max_chunks },
+        chunks: ChunkPolicy::fixed(chunk_bytes, max_chunks),
     };
     let plan = planner::plan(&req).map_err(to_py)?;
     serde_json::to_string(&plan).map_err(|e| PyValueError::new_err(e.to_string()))
@@ -223,7 +223,7 @@ fn gpu_cluster(name: &str, world: usize, group_size: usize, inter_gbit: f64, eff
 /// Builds the C++ `paro` Backend over Gloo sub-backends (intra and inter may be None); its device sub-backends come
 /// from the device factory with `device_key` (negative: none; see `set_device_factory`).
 #[pyfunction]
-#[pyo3(signature = (world, group_size, rank, chunk_bytes, max_chunks, intra, inter, global_, device_key=-1))]
+#[pyo3(signature = (world, group_size, rank, chunk_bytes, max_chunks, intra, inter, global_, device_key=-1, links=[0.0; 4]))]
 #[allow(clippy::too_many_arguments)]
 fn create_backend<'py>(
     py: Python<'py>,
@@ -236,8 +236,9 @@ fn create_backend<'py>(
     inter: Option<Bound<'py, PyAny>>,
     global_: Bound<'py, PyAny>,
     device_key: i64,
+    links: [f64; 4],
 ) -> PyResult<Bound<'py, PyAny>> {
-    let shape = bridge::ffi::Shape { world, group_size, rank, chunk_bytes, max_chunks };
+    let shape = bridge::ffi::Shape { world, group_size, rank, chunk_bytes, max_chunks, links };
     bridge::topology_of(&shape).map_err(to_py)?;
     let ptr = |o: &Option<Bound<'py, PyAny>>| o.as_ref().map_or(0, |b| b.as_ptr() as usize);
     // SAFETY: the pointers are live Python objects held by this frame; the GIL is held.
