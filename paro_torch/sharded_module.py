@@ -176,6 +176,7 @@ class ParoShardedModule(nn.Module):
             module, units, self.strategy, comms, self.precision, self.device, broadcast_buffers
         )
         _WRAPPERS[module] = weakref.ref(self)
+        _route_apply(module)
 
     @staticmethod
     def of(module: nn.Module) -> ParoShardedModule | None:
@@ -397,6 +398,34 @@ class ParoShardedModule(nn.Module):
         model's figure); masters held apart from the parameters count with them.
         """
         return stats.memory_stats(self._flat_buffers, optimizer)
+
+
+# [Note: conversions of the wrapped module] ``.to()``, ``.double()``, ``.cpu()`` called on the wrapped module itself
+# (Hugging Face's ``model.to(device)`` on the inner model, Lightning's conversions of its LightningModule) must reach
+# ParoShardedModule._apply, or they would swap new tensors into the parameters that the engine no longer updates. As
+# FSDP2 swaps the class of each module it shards, the wrapped module's class becomes a subclass (same name) whose
+# ``_apply`` defers to the wrapper's.
+class _RoutedApply(nn.Module):
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        wrapper = ParoShardedModule.of(self)
+        if wrapper is None:
+            return super()._apply(fn, recurse)
+        wrapper._apply(fn, recurse)
+        return self
+
+
+_ROUTED: dict[type, type] = {}
+
+
+def _route_apply(module: nn.Module) -> None:
+    """Swaps ``module``'s class for one whose ``_apply`` reaches the wrapper (see the note above)."""
+    cls = type(module)
+    if issubclass(cls, _RoutedApply):
+        return
+    if cls not in _ROUTED:
+        _ROUTED[cls] = type(cls.__name__, (_RoutedApply, cls), {"__qualname__": cls.__qualname__,
+                                                                 "__module__": cls.__module__})  # fmt: skip
+    module.__class__ = _ROUTED[cls]
 
 
 def _resolve_device(device: torch.device | str | None) -> torch.device:

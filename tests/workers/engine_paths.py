@@ -234,6 +234,11 @@ def evaluate_then_move(case: str, step: int, model: ParoShardedModule, x: torch.
         stale = [s.fqn for b in engine.flat_buffers for s, p, v in zip(b.slots, b.params, b._local_views, strict=True)
                  if p._local_tensor is not v or p.dtype != torch.float32]  # fmt: skip
         assert not stale, f"after .double().float(), parameters do not view the engine's storage: {stale[:4]}"
+        model.module.double()  # the wrapped module itself (Hugging Face's model.to() on the inner model)
+        model.module.float()
+        stale = [s.fqn for b in engine.flat_buffers for s, p, v in zip(b.slots, b.params, b._local_views, strict=True)
+                 if p._local_tensor is not v or p.dtype != torch.float32]  # fmt: skip
+        assert not stale, f"after the inner module's .double().float(), parameters left the storage: {stale[:4]}"
         try:
             model.to("meta")
         except ValueError as e:
