@@ -109,7 +109,7 @@ class FlatBuffer(BufferStorage):
                 "not reached an optimizer step (an accumulation window or no_sync); convert between steps"
             )
         super().retype(precision)
-        if self.g_acc is not None:  # empty after a boundary, or (g = os) the gradients the user keeps in .grad
+        if self.g_acc is not None:  # after a boundary: the gradients the user keeps, converted by _apply in .grad
             self.g_acc = torch.zeros(self.g_acc.numel(), dtype=precision.master, device=self.device)
         self._marks, self._carried = None, None
 

@@ -102,12 +102,11 @@ class BufferStorage(BufferLayout):
         self.params: list[nn.Parameter] = []
         """Per slot: this rank's shard as a DTensor parameter (os for trainable, p for frozen), original shape."""
         if trainable:
-            lo, hi = self.range(strategy.os)
-            shares = param_dtype == precision.master and (strategy.p != N or strategy.os == N)
-            if shares:  # the os block is part of the p-shard: the optimizer updates the parameters in place
-                self._master_region = self.p_shard.detach()[lo - self.p_lo : hi - self.p_lo]
+            shared = self._masters_in_p_shard()
+            if shared is not None:  # the optimizer updates the parameters in place
+                self._master_region = shared
             else:
-                self._master_region = blocks(lo, hi, precision.master)
+                self._master_region = blocks(*self.range(strategy.os), precision.master)
             if strategy.p == N:
                 self._grad_leaf(self.p_shard)
             self.params = [nn.Parameter(t, requires_grad=True) for t in self._dtensors(self._master_region)]
@@ -158,9 +157,9 @@ class BufferStorage(BufferLayout):
         region = self.p_shard.detach()
         if self.trainable:
             assert old_master is not None
-            lo, hi = self.range(s.os)
-            if dtype == precision.master and (s.p != N or s.os == N):
-                self._master_region = region[lo - self.p_lo : hi - self.p_lo]
+            shared = self._masters_in_p_shard()
+            if shared is not None:
+                self._master_region = shared
                 self._master_region.copy_(old_master)  # the masters lead the p-shard until t_syncp
             else:
                 self._master_region = old_master.to(precision.master, copy=True)
@@ -172,6 +171,22 @@ class BufferStorage(BufferLayout):
             torch.utils.swap_tensors(param, nn.Parameter(fresh, requires_grad=param.requires_grad))
             param.grad = grad
         self._local_views = [p._local_tensor for p in self.params]
+
+    def _masters_in_p_shard(self) -> torch.Tensor | None:
+        """The masters as a view of the p-shard where they can be one (else None).
+
+        They can where they are stored in the parameters' dtype and the os block is part of the p-shard: p = N keeps
+        the natural layout, which holds no os block unless os = N.
+        """
+        s = self.strategy
+        if self.param_dtype != self.precision.master or s.p == N and s.os != N:
+            return None
+        lo, hi = self.range(s.os)
+        return self.p_shard.detach()[lo - self.p_lo : hi - self.p_lo]
+
+    def _whole(self) -> torch.Tensor:
+        """The whole natural buffer: the gathered one (p = I, G) or the p-shard (p = N)."""
+        return self.full if self.full is not None else self.p_shard
 
     def _grad_leaf(self, whole: torch.Tensor, call: int = 0) -> None:
         """Makes the whole natural buffer the leaf autograd accumulates the unit's gradient into."""
@@ -201,7 +216,7 @@ class BufferStorage(BufferLayout):
 
     def grad_leaves(self) -> list[tuple[int, torch.Tensor]]:
         """(call, leaf) for every call's leaf that autograd may accumulate this buffer's gradient into."""
-        first = self.full if self.full is not None else self.p_shard
+        first = self._whole()
         out = [(0, first)] if first.requires_grad else []
         return out + list(self._call_leaves.items())
 
@@ -293,7 +308,7 @@ class BufferStorage(BufferLayout):
         One ``split`` rather than a slice per parameter: autograd then builds the buffer's gradient with one
         concatenation, where slices would each materialise a whole-buffer gradient to be summed.
         """
-        full = self._call_leaf if self._call_leaf is not None else self.full if self.full is not None else self.p_shard
+        full = self._call_leaf if self._call_leaf is not None else self._whole()
         parts = full.split(self._split_sizes)
         return [part.view(s.shape) for part, s in zip(parts, self.slots, strict=False)]
 

@@ -464,8 +464,9 @@ fn check_stream_schedule(p: &Plan, inplace: bool, what: &str) {
     }
 }
 
-#[test]
-fn stream_schedules_order_every_conflicting_pair_of_steps() {
+/// Every rank's plans of every collective the schedule tests check: whether it works in place, the plans (one per
+/// rank), and a description for failures.
+fn schedule_cases() -> Vec<(Topology, bool, bool, Vec<Plan>, String)> {
     let collectives = [
         (Collective::AllGather, false),
         (Collective::ReduceScatter, false),
@@ -474,25 +475,31 @@ fn stream_schedules_order_every_conflicting_pair_of_steps() {
         (Collective::Reduce, true),
         (Collective::Barrier, false),
     ];
-    let mut checked = 0;
-    let mut waits = 0;
+    let mut out = Vec::new();
     for (t, flat) in shapes() {
         for numel in [0, 1, 5, 13] {
             for pol in policies() {
                 for (c, inplace) in collectives {
                     for root in [0, t.world - 1] {
-                        for (rank, p) in plans_for(t, flat, c, numel, root, pol).iter().enumerate() {
-                            check_stream_schedule(
-                                p,
-                                inplace,
-                                &format!("{c:?} {t:?} flat={flat} n={numel} rank={rank} {pol:?}"),
-                            );
-                            waits += schedule(p).wait_local.iter().filter(|&&w| w).count();
-                            checked += 1;
-                        }
+                        let what = format!("{c:?} {t:?} flat={flat} n={numel} {pol:?}");
+                        out.push((t, flat, inplace, plans_for(t, flat, c, numel, root, pol), what));
                     }
                 }
             }
+        }
+    }
+    out
+}
+
+#[test]
+fn stream_schedules_order_every_conflicting_pair_of_steps() {
+    let mut checked = 0;
+    let mut waits = 0;
+    for (_, _, inplace, plans, what) in schedule_cases() {
+        for (rank, p) in plans.iter().enumerate() {
+            check_stream_schedule(p, inplace, &format!("{what} rank={rank}"));
+            waits += schedule(p).wait_local.iter().filter(|&&w| w).count();
+            checked += 1;
         }
     }
     assert!(checked > 1000 && waits > 0, "{checked} plans, {waits} local waits");
@@ -577,31 +584,13 @@ fn check_host_progress(t: Topology, flat: bool, plans: &[Plan], what: &str) {
 
 #[test]
 fn host_schedules_order_every_conflicting_pair_and_never_deadlock() {
-    let collectives = [
-        (Collective::AllGather, false),
-        (Collective::ReduceScatter, false),
-        (Collective::AllReduce, true),
-        (Collective::Broadcast, true),
-        (Collective::Reduce, true),
-        (Collective::Barrier, false),
-    ];
     let mut checked = 0;
-    for (t, flat) in shapes() {
-        for numel in [0, 1, 5, 13] {
-            for pol in policies() {
-                for (c, inplace) in collectives {
-                    for root in [0, t.world - 1] {
-                        let plans = plans_for(t, flat, c, numel, root, pol);
-                        let what = format!("{c:?} {t:?} flat={flat} n={numel} {pol:?}");
-                        for (rank, p) in plans.iter().enumerate() {
-                            check_host_schedule(p, inplace, &format!("{what} rank={rank}"));
-                            checked += 1;
-                        }
-                        check_host_progress(t, flat, &plans, &what);
-                    }
-                }
-            }
+    for (t, flat, inplace, plans, what) in schedule_cases() {
+        for (rank, p) in plans.iter().enumerate() {
+            check_host_schedule(p, inplace, &format!("{what} rank={rank}"));
+            checked += 1;
         }
+        check_host_progress(t, flat, &plans, &what);
     }
     assert!(checked > 1000, "{checked} plans");
 }
